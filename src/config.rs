@@ -87,6 +87,8 @@ pub struct QueueConfig {
     pub max_payload_bytes: usize,
     /// XREADGROUP BLOCK, in ms (kept short so cancellation is noticed quickly).
     pub block_ms: u64,
+    /// XDEL a job entry when it is acknowledged, so `{ns}:jobs` holds only the backlog.
+    pub delete_acked: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -227,6 +229,7 @@ impl Default for QueueConfig {
             results_maxlen: 1_000_000,
             max_payload_bytes: 1 << 20,
             block_ms: 1000,
+            delete_acked: true,
         }
     }
 }

@@ -1,2 +1,9 @@
 //! llm-worker: a Redis-stream-driven LLM worker. See ARCHITECTURE.md for the map.
 pub mod config;
+pub mod cost;
+pub mod job;
+pub mod provider;
+pub mod queue;
+pub mod router;
+pub mod slots;
+pub mod worker;

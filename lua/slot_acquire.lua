@@ -1,0 +1,48 @@
+-- Take one free slot of a pool in one round trip, fairly.
+--
+-- KEYS[1] waiter queue of the pool (sorted set: token -> enqueue time, FIFO)
+-- KEYS[2..N+1] the pool's slot keys, slot i at KEYS[i+2]
+-- ARGV[1] holder token of this process   ARGV[2] slot ttl ms
+-- ARGV[3] '1' = on failure, enqueue this process as a waiter
+-- ARGV[4] waiter liveness ttl ms         ARGV[5] prefix of waiter liveness keys
+--
+-- Fairness: while live waiters are queued, only the queue's head may take a free slot
+-- (a slot freed by expiry goes to the longest waiter, not to whoever asks first).
+-- Waiters whose liveness key has expired (process gone) are dropped lazily.
+--
+-- Returns {i, 0}: slot i taken (value = token, PX ttl);
+--         {-1, ms}: none free; ms = time until the nearest lease expires.
+local token = ARGV[1]
+local head = nil
+while true do
+  local h = redis.call('ZRANGE', KEYS[1], 0, 0)
+  if #h == 0 then break end
+  if redis.call('EXISTS', ARGV[5] .. h[1]) == 1 then
+    head = h[1]
+    break
+  end
+  redis.call('ZREM', KEYS[1], h[1])
+end
+if head == nil or head == token then
+  for k = 2, #KEYS do
+    if redis.call('SET', KEYS[k], token, 'NX', 'PX', ARGV[2]) then
+      if head == token then
+        redis.call('ZREM', KEYS[1], token)
+      end
+      return {k - 2, 0}
+    end
+  end
+end
+local wait = tonumber(ARGV[2])
+for k = 2, #KEYS do
+  local t = redis.call('PTTL', KEYS[k])
+  if t >= 0 and t < wait then wait = t end
+end
+if ARGV[3] == '1' then
+  redis.call('SET', ARGV[5] .. token, '1', 'PX', ARGV[4])
+  if not redis.call('ZSCORE', KEYS[1], token) then
+    local now = redis.call('TIME')
+    redis.call('ZADD', KEYS[1], tonumber(now[1]) * 1000000 + tonumber(now[2]), token)
+  end
+end
+return {-1, wait}

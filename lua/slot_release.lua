@@ -1,0 +1,58 @@
+-- Release slots this process holds (token-checked), handing each directly to the
+-- longest live waiter of its pool if there is one. Also release-all, in one round trip.
+--
+-- KEYS: for each pool group: the pool's waiter queue, then the group's slot keys
+-- ARGV[1] holder token   ARGV[2] slot ttl ms   ARGV[3] prefix of waiter liveness keys
+-- ARGV[4] prefix of hand-off lists
+-- ARGV[5] '1' = release-all: also leave every waiter queue named and delete this
+--         process's liveness key and hand-off list
+-- ARGV[6..] for each group: pool name, count c, then the c slot indices
+--
+-- A slot whose value is not our token (lease lost, maybe someone else's now) is left
+-- alone. A hand-off sets the slot to the waiter's token with a fresh TTL, removes the
+-- waiter from the queue (it re-queues at the tail if it still waits: round robin) and
+-- pushes "<i>|<pool>" onto the waiter's hand-off list, which its process blocks on.
+-- Returns {released, handed_off, not_ours}.
+local token = ARGV[1]
+local released, handed, not_ours = 0, 0, 0
+local a, k = 6, 1
+while a <= #ARGV do
+  local pool = ARGV[a]
+  local c = tonumber(ARGV[a + 1])
+  a = a + 2
+  local q = KEYS[k]
+  k = k + 1
+  if ARGV[5] == '1' then
+    redis.call('ZREM', q, token)
+  end
+  for _ = 1, c do
+    local key, idx = KEYS[k], ARGV[a]
+    k = k + 1
+    a = a + 1
+    if redis.call('GET', key) ~= token then
+      not_ours = not_ours + 1
+    else
+      while true do
+        local h = redis.call('ZRANGE', q, 0, 0)
+        if #h == 0 then
+          redis.call('DEL', key)
+          released = released + 1
+          break
+        end
+        redis.call('ZREM', q, h[1])
+        if redis.call('EXISTS', ARGV[3] .. h[1]) == 1 then
+          redis.call('SET', key, h[1], 'PX', ARGV[2])
+          local wake = ARGV[4] .. h[1]
+          redis.call('RPUSH', wake, idx .. '|' .. pool)
+          redis.call('PEXPIRE', wake, ARGV[2])
+          handed = handed + 1
+          break
+        end
+      end
+    end
+  end
+end
+if ARGV[5] == '1' then
+  redis.call('DEL', ARGV[3] .. token, ARGV[4] .. token)
+end
+return {released, handed, not_ours}

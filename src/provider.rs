@@ -1,0 +1,429 @@
+//! One OpenAI-compatible HTTP client per provider. Every call ends as one [`Outcome`]:
+//! a completion with its usage, or an error classified by what to do next
+//! ([`ErrorClass`]), carrying the usage a failed response reported (billed too).
+//!
+//! Invariant: this module never touches Redis, and never logs or formats the API key.
+
+use crate::config::{ProviderConfig, Secret};
+use crate::cost::Usage;
+use crate::router::ErrorClass;
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use reqwest::StatusCode;
+use serde_json::{Map, Value};
+use std::num::NonZeroU32;
+use std::time::{Duration, SystemTime};
+
+/// Header carrying the job id, so a provider-side log (or the simulated provider) can
+/// count calls per job. Contains no secret.
+pub const JOB_HEADER: &str = "x-llm-worker-job";
+
+/// Fields of a job payload that are the worker's own and are not sent upstream.
+pub const WORKER_FIELDS: [&str; 3] = ["route", "id", "metadata"];
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    pub content: String,
+    pub finish_reason: String,
+}
+
+/// A failed call: what happened (one line, no secrets) and what to do next.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct CallError {
+    pub class: ErrorClass,
+    pub status: Option<u16>,
+    pub message: String,
+}
+
+/// The result of one provider call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// Tokens the response reported, ok or not; `None` when it reported none.
+    pub usage: Option<Usage>,
+    pub result: Result<Completion, CallError>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    #[error("provider {name}: cannot build HTTP client: {source}")]
+    Client {
+        name: String,
+        source: reqwest::Error,
+    },
+}
+
+pub struct ProviderClient {
+    name: String,
+    http: reqwest::Client,
+    url: String,
+    api_key: Option<Secret>,
+    limiter: DefaultDirectRateLimiter,
+}
+
+impl ProviderClient {
+    pub fn new(name: &str, cfg: &ProviderConfig) -> Result<ProviderClient, ProviderError> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_millis(cfg.timeout_ms))
+            .connect_timeout(Duration::from_millis(cfg.timeout_ms.min(10_000)))
+            .pool_max_idle_per_host(256)
+            .build()
+            .map_err(|source| ProviderError::Client {
+                name: name.to_string(),
+                source,
+            })?;
+        let rps = NonZeroU32::new(cfg.requests_per_second).unwrap_or(NonZeroU32::MIN);
+        Ok(ProviderClient {
+            name: name.to_string(),
+            http,
+            url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
+            api_key: cfg.api_key.clone(),
+            limiter: RateLimiter::direct(Quota::per_second(rps)),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The request body for one attempt: the job's payload with the worker's own fields
+    /// removed, `model` set to `upstream_model`, and `stream` off (results are whole).
+    pub fn request_body(payload: &Map<String, Value>, upstream_model: &str) -> Value {
+        let mut body = payload.clone();
+        for f in WORKER_FIELDS {
+            body.remove(f);
+        }
+        body.remove("stream");
+        body.remove("stream_options");
+        body.insert("model".into(), Value::String(upstream_model.to_string()));
+        Value::Object(body)
+    }
+
+    /// Waits for the local rate limiter (not for a slot: the caller holds one), then calls.
+    /// Dropping the future aborts the HTTP request.
+    pub async fn call(&self, body: &Value, job_id: &str) -> Outcome {
+        self.limiter.until_ready().await;
+        let mut req = self
+            .http
+            .post(&self.url)
+            .header(JOB_HEADER, job_id)
+            .json(body);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key.expose());
+        }
+        let resp = match req.send().await {
+            Ok(r) => r,
+            Err(e) => return transport_error(&e),
+        };
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = match resp.bytes().await {
+            Ok(b) => b,
+            Err(e) => return transport_error(&e),
+        };
+        classify(status, &headers, &bytes, SystemTime::now())
+    }
+}
+
+fn transport_error(e: &reqwest::Error) -> Outcome {
+    let what = if e.is_timeout() {
+        "timed out"
+    } else if e.is_connect() {
+        "connection failed"
+    } else {
+        "transport error"
+    };
+    // Display of a reqwest error includes the URL (no secret in it) and the cause.
+    Outcome {
+        usage: None,
+        result: Err(CallError {
+            class: ErrorClass::Transient,
+            status: None,
+            message: one_line(&format!("{what}: {e}")),
+        }),
+    }
+}
+
+/// Text fit for one line of a result or log, bounded in length.
+pub fn one_line(s: &str) -> String {
+    let mut out: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(300)
+        .collect();
+    if s.chars().count() > 300 {
+        out.push('…');
+    }
+    out
+}
+
+/// Usage as an OpenAI-compatible body reports it, if it does.
+pub fn parse_usage(v: &Value) -> Option<Usage> {
+    let u = v.get("usage")?.as_object()?;
+    let prompt = u.get("prompt_tokens")?.as_u64()?;
+    let completion = u
+        .get("completion_tokens")
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let cached = u
+        .get("prompt_tokens_details")
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    Some(Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        cached_tokens: cached.min(prompt),
+    })
+}
+
+/// `retry-after-ms` (milliseconds, as OpenAI sends) or `Retry-After` (seconds or an HTTP date).
+pub fn parse_retry_after(
+    headers: &reqwest::header::HeaderMap,
+    now: SystemTime,
+) -> Option<Duration> {
+    if let Some(ms) = headers
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+    {
+        return Some(Duration::from_micros((ms * 1000.0) as u64));
+    }
+    let v = headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim();
+    if let Ok(secs) = v.parse::<f64>() {
+        if secs.is_finite() && secs >= 0.0 {
+            return Some(Duration::from_micros((secs * 1e6) as u64));
+        }
+        return None;
+    }
+    let when = httpdate::parse_http_date(v).ok()?;
+    Some(when.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+fn error_code(v: &Value) -> (String, String) {
+    let e = v.get("error");
+    let field = |k: &str| {
+        e.and_then(|e| e.get(k))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string()
+    };
+    let msg = match e {
+        Some(Value::String(s)) => s.clone(),
+        _ => field("message"),
+    };
+    let code = format!("{} {}", field("code"), field("type"));
+    (code, msg)
+}
+
+/// Turns one HTTP response into an [`Outcome`]. Pure, so every branch is unit-tested.
+pub fn classify(
+    status: StatusCode,
+    headers: &reqwest::header::HeaderMap,
+    body: &[u8],
+    now: SystemTime,
+) -> Outcome {
+    let json: Option<Value> = serde_json::from_slice(body).ok();
+    let usage = json.as_ref().and_then(parse_usage);
+    let fail = |class: ErrorClass, message: String| Outcome {
+        usage,
+        result: Err(CallError {
+            class,
+            status: Some(status.as_u16()),
+            message: one_line(&message),
+        }),
+    };
+    let (code, msg) = json.as_ref().map(error_code).unwrap_or_default();
+    let detail = if msg.is_empty() {
+        String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned()
+    } else {
+        msg
+    };
+    let s = status.as_u16();
+    if status.is_success() {
+        let Some(v) = json else {
+            return fail(
+                ErrorClass::Transient,
+                format!(
+                    "HTTP {s} with a body that is not JSON ({} bytes)",
+                    body.len()
+                ),
+            );
+        };
+        if v.get("error").is_some_and(|e| !e.is_null()) {
+            return fail(
+                ErrorClass::Transient,
+                format!("HTTP {s} with an error body: {detail}"),
+            );
+        }
+        let Some(choice) = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .and_then(|c| c.first())
+        else {
+            return fail(ErrorClass::Transient, format!("HTTP {s} with no choices"));
+        };
+        let message = choice.get("message");
+        let content = match message.and_then(|m| m.get("content")) {
+            Some(Value::String(c)) => c.clone(),
+            // No text (e.g. tool calls): keep the whole message so nothing is lost.
+            _ => message.map(|m| m.to_string()).unwrap_or_default(),
+        };
+        let finish_reason = choice
+            .get("finish_reason")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        return Outcome {
+            usage,
+            result: Ok(Completion {
+                content,
+                finish_reason,
+            }),
+        };
+    }
+    let class = match s {
+        429 if code.contains("insufficient_quota") => ErrorClass::ProviderRejected,
+        429 => ErrorClass::RateLimited {
+            retry_after: parse_retry_after(headers, now),
+        },
+        401 | 403 => ErrorClass::ProviderRejected,
+        400 if code.contains("context_length_exceeded")
+            || detail.contains("maximum context length") =>
+        {
+            ErrorClass::ContextTooLong
+        }
+        408 | 409 | 500..=599 => ErrorClass::Transient,
+        _ if status.is_client_error() => ErrorClass::Fatal,
+        // 1xx/3xx (a redirect we did not follow) and anything else odd: try again.
+        _ => ErrorClass::Transient,
+    };
+    fail(class, format!("HTTP {s}: {detail}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::{HeaderMap, HeaderValue};
+
+    fn c(status: u16, body: &str) -> Outcome {
+        classify(
+            StatusCode::from_u16(status).unwrap(),
+            &HeaderMap::new(),
+            body.as_bytes(),
+            SystemTime::now(),
+        )
+    }
+    fn class(o: &Outcome) -> ErrorClass {
+        o.result.as_ref().unwrap_err().class.clone()
+    }
+
+    #[test]
+    fn ok_answer() {
+        let o = c(
+            200,
+            r#"{"choices":[{"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],
+               "usage":{"prompt_tokens":10,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}}"#,
+        );
+        assert_eq!(
+            o.result.unwrap(),
+            Completion {
+                content: "hi".into(),
+                finish_reason: "stop".into()
+            }
+        );
+        assert_eq!(
+            o.usage,
+            Some(Usage {
+                prompt_tokens: 10,
+                completion_tokens: 3,
+                cached_tokens: 4
+            })
+        );
+    }
+
+    #[test]
+    fn classes() {
+        assert_eq!(class(&c(503, "")), ErrorClass::Transient);
+        assert_eq!(class(&c(529, "{}")), ErrorClass::Transient);
+        assert_eq!(class(&c(408, "")), ErrorClass::Transient);
+        assert_eq!(class(&c(409, "")), ErrorClass::Transient);
+        assert_eq!(class(&c(401, "")), ErrorClass::ProviderRejected);
+        assert_eq!(class(&c(403, "")), ErrorClass::ProviderRejected);
+        assert_eq!(
+            class(&c(
+                429,
+                r#"{"error":{"code":"insufficient_quota","message":"pay"}}"#
+            )),
+            ErrorClass::ProviderRejected
+        );
+        assert_eq!(
+            class(&c(429, "")),
+            ErrorClass::RateLimited { retry_after: None }
+        );
+        assert_eq!(
+            class(&c(
+                400,
+                r#"{"error":{"code":"context_length_exceeded","message":"x"}}"#
+            )),
+            ErrorClass::ContextTooLong
+        );
+        assert_eq!(
+            class(&c(400, r#"{"error":{"message":"bad"}}"#)),
+            ErrorClass::Fatal
+        );
+        assert_eq!(class(&c(404, "")), ErrorClass::Fatal);
+        assert_eq!(class(&c(200, "not json")), ErrorClass::Transient);
+        assert_eq!(class(&c(200, r#"{"choices":[]}"#)), ErrorClass::Transient);
+        assert_eq!(
+            class(&c(200, r#"{"error":{"message":"boom"}}"#)),
+            ErrorClass::Transient
+        );
+        assert_eq!(
+            class(&c(200, r#"{"choices":[{"message":"#)),
+            ErrorClass::Transient
+        );
+    }
+
+    #[test]
+    fn failed_attempt_keeps_its_usage() {
+        let o = c(
+            500,
+            r#"{"error":{"message":"x"},"usage":{"prompt_tokens":7,"completion_tokens":0}}"#,
+        );
+        assert_eq!(o.usage.unwrap().prompt_tokens, 7);
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let mut h = HeaderMap::new();
+        h.insert("retry-after", HeaderValue::from_static("2"));
+        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_secs(2)));
+        h.insert("retry-after-ms", HeaderValue::from_static("150"));
+        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_millis(150)));
+        let mut h = HeaderMap::new();
+        let date = httpdate::fmt_http_date(now + Duration::from_secs(30));
+        h.insert("retry-after", HeaderValue::from_str(&date).unwrap());
+        assert_eq!(parse_retry_after(&h, now), Some(Duration::from_secs(30)));
+        h.insert("retry-after", HeaderValue::from_static("soon"));
+        assert_eq!(parse_retry_after(&h, now), None);
+    }
+
+    #[test]
+    fn request_body_strips_worker_fields() {
+        let payload: Map<String, Value> = serde_json::from_str(
+            r#"{"messages":[],"model":"x","route":"r","id":"1","metadata":{},"top_p":0.5,"stream":true}"#,
+        )
+        .unwrap();
+        let b = ProviderClient::request_body(&payload, "up");
+        assert_eq!(
+            b,
+            serde_json::json!({"messages":[],"model":"up","top_p":0.5})
+        );
+    }
+}

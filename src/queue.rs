@@ -1,0 +1,313 @@
+//! The streams: key names, reading jobs (XREADGROUP on a connection of its own), and the
+//! atomic commit of a finished job (result + XACK + dead letter + dedupe marker + costs).
+//!
+//! Invariants:
+//! - every key carries the `{namespace}` hash tag (one Cluster slot per queue);
+//! - a job entry is acknowledged only by `lua/commit.lua`, in the same step as its result;
+//! - a commit for an entry that is no longer pending writes nothing (no second result).
+
+use crate::config::Config;
+use redis::aio::MultiplexedConnection;
+use redis::streams::StreamReadReply;
+use redis::{AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, Value};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    #[error("redis: {0} (retry when Redis answers again)")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis pool: {0} (retry when Redis answers again)")]
+    Pool(#[from] deadpool_redis::PoolError),
+    #[error("redis url: {0} (fix redis.url)")]
+    Url(String),
+    #[error("redis did not answer within {0:?} (retry when Redis answers again)")]
+    Timeout(Duration),
+}
+
+/// Every Redis key name in one place.
+#[derive(Debug, Clone)]
+pub struct Keys {
+    pub prefix: String,
+    pub jobs: String,
+    pub results: String,
+    pub dead: String,
+    pub costs: String,
+}
+
+impl Keys {
+    pub fn new(namespace: &str) -> Keys {
+        let prefix = format!("{{{namespace}}}");
+        Keys {
+            jobs: format!("{prefix}:jobs"),
+            results: format!("{prefix}:results"),
+            dead: format!("{prefix}:dead"),
+            costs: format!("{prefix}:cost"),
+            prefix,
+        }
+    }
+    /// Slot `i` of `pool`: value = holder token, absent = free.
+    pub fn slot(&self, pool: &str, i: u32) -> String {
+        format!("{}:slot:{pool}:{i}", self.prefix)
+    }
+    /// The fleet-wide N of `pool`, recorded by the first worker that used it.
+    pub fn pool_size(&self, pool: &str) -> String {
+        format!("{}:poolsize:{pool}", self.prefix)
+    }
+    /// Processes waiting for a slot of `pool` (sorted set, FIFO by enqueue time).
+    pub fn slot_queue(&self, pool: &str) -> String {
+        format!("{}:slotq:{pool}", self.prefix)
+    }
+    /// Prefix of per-process "still waiting" keys (`<prefix><token>`, short TTL).
+    pub fn waiter_alive_prefix(&self) -> String {
+        format!("{}:slotalive:", self.prefix)
+    }
+    /// Prefix of per-process hand-off lists (`<prefix><token>`).
+    pub fn wake_prefix(&self) -> String {
+        format!("{}:slotwake:", self.prefix)
+    }
+    /// Result marker of a job id (idempotency), value = result entry id.
+    pub fn done(&self, job_id: &str) -> String {
+        format!("{}:done:{job_id}", self.prefix)
+    }
+}
+
+/// Connection info from config: `redis.url`, with the password from `redis.password_env` if set.
+pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, QueueError> {
+    let info = cfg
+        .redis
+        .url
+        .as_str()
+        .into_connection_info()
+        .map_err(|e| QueueError::Url(e.to_string()))?;
+    Ok(match &cfg.redis.password {
+        Some(pw) => {
+            let settings = info.redis_settings().clone().set_password(pw.expose());
+            info.set_redis_settings(settings)
+        }
+        None => info,
+    })
+}
+
+/// A pool for ordinary (non-blocking) commands.
+pub fn command_pool(cfg: &Config, size: usize) -> Result<deadpool_redis::Pool, QueueError> {
+    let mut pc = deadpool_redis::Config::from_connection_info(connection_info(cfg)?);
+    let mut pool_cfg = deadpool_redis::PoolConfig::new(size.max(4));
+    pool_cfg.timeouts.wait = Some(Duration::from_secs(5));
+    pool_cfg.timeouts.create = Some(Duration::from_secs(2));
+    pool_cfg.timeouts.recycle = Some(Duration::from_secs(2));
+    pc.pool = Some(pool_cfg);
+    pc.create_pool(Some(deadpool_redis::Runtime::Tokio1))
+        .map_err(|e| QueueError::Url(e.to_string()))
+}
+
+/// A connection of its own for blocking commands (XREADGROUP BLOCK, BLPOP): no response
+/// timeout (redis 1.x's default 500 ms would cut a BLOCK short), and nothing else queued
+/// behind it. Callers bound each blocking call themselves.
+pub async fn blocking_connection(cfg: &Config) -> Result<MultiplexedConnection, QueueError> {
+    let client = redis::Client::open(connection_info(cfg)?)?;
+    let conn_cfg = AsyncConnectionConfig::new()
+        .set_response_timeout(None)
+        .set_connection_timeout(Some(Duration::from_secs(2)));
+    let fut = client.get_multiplexed_async_connection_with_config(&conn_cfg);
+    match tokio::time::timeout(Duration::from_secs(3), fut).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(QueueError::Timeout(Duration::from_secs(3))),
+    }
+}
+
+/// One job entry as read from the stream.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    pub entry_id: String,
+    /// The `payload` field, raw bytes (kept verbatim for dead letters), if present.
+    pub payload: Option<Vec<u8>>,
+    /// Names of fields other than `payload` (reported, not fatal).
+    pub extra_fields: Vec<String>,
+    /// How many times this entry has been delivered (1 for a fresh read).
+    pub deliveries: u64,
+}
+
+impl Delivery {
+    fn from_stream_id(id: redis::streams::StreamId, deliveries: u64) -> Delivery {
+        let mut payload = None;
+        let mut extra = vec![];
+        for (k, v) in id.map {
+            if k == "payload" {
+                payload = match v {
+                    Value::BulkString(b) => Some(b),
+                    Value::SimpleString(s) => Some(s.into_bytes()),
+                    Value::Int(i) => Some(i.to_string().into_bytes()),
+                    _ => Some(vec![]),
+                };
+            } else {
+                extra.push(k);
+            }
+        }
+        extra.sort();
+        Delivery {
+            entry_id: id.id,
+            payload,
+            extra_fields: extra,
+            deliveries,
+        }
+    }
+}
+
+/// What to write when a job is done. Field values are bytes so a dead letter keeps a
+/// payload that is not UTF-8 verbatim.
+#[derive(Debug, Clone, Default)]
+pub struct Commit {
+    pub entry_id: String,
+    pub result: Vec<(&'static str, Vec<u8>)>,
+    pub dead: Vec<(&'static str, Vec<u8>)>,
+    /// The job id whose dedupe marker to set (None: no marker).
+    pub dedupe_id: Option<String>,
+    /// (hash field, integer increment) for `{ns}:cost`.
+    pub costs: Vec<(String, i64)>,
+}
+
+#[derive(Clone)]
+pub struct Queue {
+    pub keys: Keys,
+    pool: deadpool_redis::Pool,
+    group: String,
+    consumer: String,
+    results_maxlen: u64,
+    dedupe_ttl_s: u64,
+    delete_acked: bool,
+    commit_script: redis::Script,
+}
+
+impl Queue {
+    pub fn new(cfg: &Config, pool: deadpool_redis::Pool) -> Queue {
+        Queue {
+            keys: Keys::new(&cfg.queue.namespace),
+            pool,
+            group: cfg.queue.group.clone(),
+            consumer: cfg.queue.consumer.clone(),
+            results_maxlen: cfg.queue.results_maxlen,
+            dedupe_ttl_s: cfg.queue.dedupe_ttl_s,
+            delete_acked: cfg.queue.delete_acked,
+            commit_script: redis::Script::new(include_str!("../lua/commit.lua")),
+        }
+    }
+
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    pub fn pool(&self) -> &deadpool_redis::Pool {
+        &self.pool
+    }
+
+    /// Creates the consumer group at id 0 with MKSTREAM (jobs pushed before the first
+    /// worker started are processed); an existing group is fine.
+    pub async fn ensure_group(&self) -> Result<(), QueueError> {
+        let mut conn = self.pool.get().await?;
+        let r: Result<(), redis::RedisError> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.keys.jobs)
+            .arg(&self.group)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(&mut *conn)
+            .await;
+        match r {
+            Ok(()) => Ok(()),
+            Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Reads up to `count` new entries, blocking up to `block`. The caller owns `conn`
+    /// (a [`blocking_connection`]); the wait is bounded by `block` + 2 s.
+    pub async fn read_new(
+        &self,
+        conn: &mut MultiplexedConnection,
+        count: usize,
+        block: Duration,
+    ) -> Result<Vec<Delivery>, QueueError> {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg("COUNT")
+            .arg(count)
+            .arg("BLOCK")
+            .arg(block.as_millis() as u64)
+            .arg("STREAMS")
+            .arg(&self.keys.jobs)
+            .arg(">");
+        let fut = cmd.query_async::<Option<StreamReadReply>>(conn);
+        let bound = block + Duration::from_secs(2);
+        let reply = match tokio::time::timeout(bound, fut).await {
+            Ok(r) => r?,
+            Err(_) => return Err(QueueError::Timeout(bound)),
+        };
+        Ok(reply
+            .into_iter()
+            .flat_map(|r| r.keys)
+            .flat_map(|k| k.ids)
+            .map(|id| Delivery::from_stream_id(id, 1))
+            .collect())
+    }
+
+    /// Writes the result (and dead letter, marker, costs) and acknowledges the job, in one
+    /// script. `Ok(Some(result_id))` when written; `Ok(None)` when the job was no longer
+    /// pending (already committed elsewhere): nothing was written.
+    pub async fn commit(&self, c: &Commit) -> Result<Option<String>, QueueError> {
+        let dedupe_key = self.keys.done(c.dedupe_id.as_deref().unwrap_or(""));
+        let ttl = if c.dedupe_id.is_some() {
+            self.dedupe_ttl_s
+        } else {
+            0
+        };
+        let mut inv = self.commit_script.prepare_invoke();
+        inv.key(&self.keys.jobs)
+            .key(&self.keys.results)
+            .key(&self.keys.dead)
+            .key(&self.keys.costs)
+            .key(dedupe_key)
+            .arg(&self.group)
+            .arg(&c.entry_id)
+            .arg(self.results_maxlen)
+            .arg(ttl)
+            .arg(if self.delete_acked { 1 } else { 0 });
+        inv.arg(c.result.len());
+        for (k, v) in &c.result {
+            inv.arg(*k).arg(v.as_slice());
+        }
+        inv.arg(c.dead.len());
+        for (k, v) in &c.dead {
+            inv.arg(*k).arg(v.as_slice());
+        }
+        inv.arg(c.costs.len());
+        for (k, v) in &c.costs {
+            inv.arg(k).arg(*v);
+        }
+        let mut conn = self.pool.get().await?;
+        Ok(inv.invoke_async::<Option<String>>(&mut *conn).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_share_the_hash_tag() {
+        let k = Keys::new("llm");
+        assert_eq!(k.jobs, "{llm}:jobs");
+        assert_eq!(k.results, "{llm}:results");
+        assert_eq!(k.dead, "{llm}:dead");
+        assert_eq!(k.slot("default", 3), "{llm}:slot:default:3");
+        for key in [
+            k.pool_size("p"),
+            k.slot_queue("p"),
+            k.done("x"),
+            k.costs.clone(),
+        ] {
+            assert!(key.starts_with("{llm}:"), "{key}");
+        }
+    }
+}

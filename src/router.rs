@@ -1,0 +1,301 @@
+//! Pure routing: the ordered plan of models for one job, and what to do after each
+//! failed attempt (retry the same model after a delay, switch to another model, or fail).
+//!
+//! Invariant: no IO and no clock. Randomness (jitter) is passed in as a number in [0, 1),
+//! so every decision is reproducible in a unit test.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// What a failed provider call tells us to do next, independent of which call it was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// 408, 409, 5xx, 529, connect error, timeout, a 200 whose body is an error or has
+    /// no choices: the same model may well answer next time.
+    Transient,
+    /// 429 rate limit, with the delay the provider asked for (if it said).
+    RateLimited { retry_after: Option<Duration> },
+    /// 401, 403, 429 `insufficient_quota`: nothing on this provider will work for now.
+    ProviderRejected,
+    /// 400 `context_length_exceeded`: only a model with a larger window can help.
+    ContextTooLong,
+    /// Any other 4xx: the request itself is wrong; resending will not help.
+    Fatal,
+}
+
+/// One model the job may run on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub model: String,
+    pub provider: String,
+    pub pool: String,
+    pub context_window: u64,
+}
+
+/// Retry policy (from `[retry]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    pub max_attempts_per_model: u32,
+    pub base_delay: Duration,
+    pub max_delay: Duration,
+    pub max_retry_after: Duration,
+}
+
+/// The next step after a failed attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Call the same model again after this delay.
+    RetryAfter(Duration),
+    /// Move on to the candidate at this index (now current), at once.
+    Switch(usize),
+    /// No option left: the job fails with the last error.
+    Fail,
+}
+
+/// The route of one job and where it stands.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    candidates: Vec<Candidate>,
+    current: usize,
+    attempts_on_current: u32,
+    excluded_providers: HashSet<String>,
+    min_context: u64,
+    policy: RetryPolicy,
+}
+
+impl Plan {
+    /// `candidates` must be non-empty (validated config guarantees routes are).
+    pub fn new(candidates: Vec<Candidate>, policy: RetryPolicy) -> Plan {
+        assert!(!candidates.is_empty(), "a plan needs at least one model");
+        Plan {
+            candidates,
+            current: 0,
+            attempts_on_current: 0,
+            excluded_providers: HashSet::new(),
+            min_context: 0,
+            policy,
+        }
+    }
+
+    pub fn current(&self) -> &Candidate {
+        &self.candidates[self.current]
+    }
+
+    pub fn candidates(&self) -> &[Candidate] {
+        &self.candidates
+    }
+
+    /// Count one call of the current model (before or after it is made).
+    pub fn record_attempt(&mut self) {
+        self.attempts_on_current += 1;
+    }
+
+    /// Later candidates that could still be used, in order (for the slot fast path:
+    /// when the current model's pool is busy, a later model with a free slot may run now).
+    pub fn usable_alternatives(&self) -> Vec<usize> {
+        (self.current + 1..self.candidates.len())
+            .filter(|&i| self.usable(i))
+            .collect()
+    }
+
+    /// Make candidate `i` current (it must come from [`Plan::usable_alternatives`]).
+    pub fn switch_to(&mut self, i: usize) {
+        self.current = i;
+        self.attempts_on_current = 0;
+    }
+
+    fn usable(&self, i: usize) -> bool {
+        let c = &self.candidates[i];
+        !self.excluded_providers.contains(&c.provider) && c.context_window >= self.min_context
+    }
+
+    fn next_usable(&mut self) -> Decision {
+        match (self.current + 1..self.candidates.len()).find(|&i| self.usable(i)) {
+            Some(i) => {
+                self.switch_to(i);
+                Decision::Switch(i)
+            }
+            None => Decision::Fail,
+        }
+    }
+
+    /// Exponential backoff with equal jitter: the n-th retry (n >= 1) waits a uniform
+    /// time in [d/2, d], d = min(max_delay, base_delay * 2^(n-1)). `jitter` in [0, 1).
+    pub fn backoff(&self, n: u32, jitter: f64) -> Duration {
+        let base = self.policy.base_delay.as_millis() as u64;
+        let max = self.policy.max_delay.as_millis() as u64;
+        let exp = base
+            .saturating_mul(1u64 << (n.saturating_sub(1)).min(32))
+            .min(max);
+        let half = exp / 2;
+        let j = jitter.clamp(0.0, 1.0);
+        Duration::from_millis(half + ((exp - half) as f64 * j) as u64)
+    }
+
+    /// Decide what follows a failed attempt of the current model.
+    pub fn on_error(&mut self, class: &ErrorClass, jitter: f64) -> Decision {
+        let exhausted = self.attempts_on_current >= self.policy.max_attempts_per_model;
+        match class {
+            ErrorClass::Fatal => Decision::Fail,
+            ErrorClass::ProviderRejected => {
+                let p = self.current().provider.clone();
+                self.excluded_providers.insert(p);
+                self.next_usable()
+            }
+            ErrorClass::ContextTooLong => {
+                self.min_context = self.current().context_window.saturating_add(1);
+                self.next_usable()
+            }
+            ErrorClass::RateLimited { retry_after } => match retry_after {
+                Some(after) if *after > self.policy.max_retry_after => self.next_usable(),
+                _ if exhausted => self.next_usable(),
+                Some(after) => Decision::RetryAfter(*after),
+                None => Decision::RetryAfter(self.backoff(self.attempts_on_current, jitter)),
+            },
+            ErrorClass::Transient => {
+                if exhausted {
+                    self.next_usable()
+                } else {
+                    Decision::RetryAfter(self.backoff(self.attempts_on_current, jitter))
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(model: &str, provider: &str, ctx: u64) -> Candidate {
+        Candidate {
+            model: model.into(),
+            provider: provider.into(),
+            pool: "default".into(),
+            context_window: ctx,
+        }
+    }
+
+    fn policy() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts_per_model: 3,
+            base_delay: Duration::from_millis(500),
+            max_delay: Duration::from_millis(8000),
+            max_retry_after: Duration::from_secs(60),
+        }
+    }
+
+    fn plan() -> Plan {
+        Plan::new(
+            vec![
+                cand("a", "p1", 1000),
+                cand("b", "p1", 4000),
+                cand("c", "p2", 2000),
+            ],
+            policy(),
+        )
+    }
+
+    #[test]
+    fn transient_retries_then_falls_back_then_fails() {
+        let mut p = plan();
+        let mut decisions = vec![];
+        loop {
+            p.record_attempt();
+            let d = p.on_error(&ErrorClass::Transient, 0.0);
+            decisions.push(d.clone());
+            if d == Decision::Fail {
+                break;
+            }
+        }
+        // 3 attempts on each of 3 models = 9 calls: 2 retries + switch, twice, then 2 retries + fail.
+        assert_eq!(decisions.len(), 9);
+        assert_eq!(decisions[2], Decision::Switch(1));
+        assert_eq!(decisions[5], Decision::Switch(2));
+        assert_eq!(decisions[8], Decision::Fail);
+        assert_eq!(
+            decisions[0],
+            Decision::RetryAfter(Duration::from_millis(250))
+        );
+        assert_eq!(
+            decisions[1],
+            Decision::RetryAfter(Duration::from_millis(500))
+        );
+    }
+
+    #[test]
+    fn backoff_is_bounded_and_jittered() {
+        let p = plan();
+        assert_eq!(p.backoff(1, 0.0), Duration::from_millis(250));
+        assert_eq!(p.backoff(1, 0.999_999), Duration::from_millis(499));
+        assert_eq!(p.backoff(3, 0.0), Duration::from_millis(1000));
+        assert_eq!(p.backoff(10, 0.0), Duration::from_millis(4000));
+        assert!(p.backoff(60, 0.99) <= Duration::from_millis(8000));
+    }
+
+    #[test]
+    fn rate_limit_waits_as_told_unless_above_cap() {
+        let mut p = plan();
+        p.record_attempt();
+        let d = p.on_error(
+            &ErrorClass::RateLimited {
+                retry_after: Some(Duration::from_secs(1)),
+            },
+            0.5,
+        );
+        assert_eq!(d, Decision::RetryAfter(Duration::from_secs(1)));
+        p.record_attempt();
+        let d = p.on_error(
+            &ErrorClass::RateLimited {
+                retry_after: Some(Duration::from_secs(61)),
+            },
+            0.5,
+        );
+        assert_eq!(d, Decision::Switch(1));
+    }
+
+    #[test]
+    fn provider_rejection_skips_that_provider() {
+        let mut p = plan();
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::ProviderRejected, 0.0),
+            Decision::Switch(2)
+        );
+        assert_eq!(p.current().model, "c");
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::ProviderRejected, 0.0),
+            Decision::Fail
+        );
+    }
+
+    #[test]
+    fn context_too_long_needs_a_larger_window() {
+        let mut p = plan();
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::ContextTooLong, 0.0),
+            Decision::Switch(1)
+        );
+        p.record_attempt();
+        // c has 2000 < 4001
+        assert_eq!(p.on_error(&ErrorClass::ContextTooLong, 0.0), Decision::Fail);
+    }
+
+    #[test]
+    fn fatal_fails_at_once() {
+        let mut p = plan();
+        p.record_attempt();
+        assert_eq!(p.on_error(&ErrorClass::Fatal, 0.0), Decision::Fail);
+    }
+
+    #[test]
+    fn alternatives_respect_exclusions() {
+        let mut p = plan();
+        assert_eq!(p.usable_alternatives(), vec![1, 2]);
+        p.record_attempt();
+        p.on_error(&ErrorClass::ProviderRejected, 0.0);
+        assert_eq!(p.usable_alternatives(), Vec::<usize>::new());
+    }
+}

@@ -1,0 +1,692 @@
+//! The fleet-wide semaphore: N concurrency slots per pool, shared by every worker
+//! process through Redis keys `{ns}:slot:<pool>:<i>` (value = holder token, PX ttl).
+//!
+//! How it works (scripts in `lua/`):
+//! - **acquire** (`slot_acquire.lua`, one round trip): take a free slot, or join the
+//!   pool's FIFO waiter queue and learn when the nearest lease expires;
+//! - **release** (`slot_release.lua`): token-checked; if a process is waiting, the slot is
+//!   handed to it directly (value set to its token, index pushed onto its hand-off list),
+//!   so a releasing process cannot re-take its own slot while others starve;
+//! - **waiting**: one driver task per process blocks (BLPOP, on a connection of its own)
+//!   on the process's hand-off list, for at most the time until the nearest lease expires,
+//!   and serves the process's local waiters in FIFO order. Waiters in one process share
+//!   that one wait; processes are served round robin;
+//! - **renewal** (`slot_renew.lua`): one script per tick for every lease of the process,
+//!   extending only leases whose value is still our token; a lost lease is reported,
+//!   never re-created;
+//! - **release-all**: every slot of every pool, one round trip, at shutdown.
+//!
+//! Invariants:
+//! - a slot key is only ever deleted or overwritten by the holder whose token it holds
+//!   (or by its TTL expiring);
+//! - within a process, the `held` table says which [`Lease`] uses which slot; a slot is
+//!   in the table at most once;
+//! - N for a pool is the one recorded in Redis by the first worker (`{ns}:poolsize:<pool>`);
+//!   a worker configured with another N logs an error and uses the recorded one, so a
+//!   misconfigured pod cannot overshoot the quota.
+
+use crate::config::Config;
+use crate::queue::{Keys, QueueError, blocking_connection};
+use redis::aio::MultiplexedConnection;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::{Notify, oneshot};
+use tokio_util::sync::CancellationToken;
+
+/// How long a waiting process counts as alive without refreshing (it refreshes at least
+/// every second while it waits). A dead waiter is skipped once this has passed.
+const WAITER_ALIVE_MS: u64 = 3000;
+/// Upper bound of one BLPOP, so liveness is refreshed and expiries are noticed.
+const MAX_WAIT_TICK: Duration = Duration::from_millis(1000);
+
+#[derive(Debug, thiserror::Error)]
+pub enum SlotError {
+    #[error(
+        "no slot of pool {pool} became free within {waited:?} (try another model, or wait again)"
+    )]
+    Timeout { pool: String, waited: Duration },
+    #[error("unknown pool {0} (fix the model's pool in config)")]
+    UnknownPool(String),
+    #[error("slots are shut down (the worker is stopping)")]
+    Stopped,
+    #[error(transparent)]
+    Redis(#[from] QueueError),
+}
+
+impl From<redis::RedisError> for SlotError {
+    fn from(e: redis::RedisError) -> Self {
+        SlotError::Redis(QueueError::Redis(e))
+    }
+}
+impl From<deadpool_redis::PoolError> for SlotError {
+    fn from(e: deadpool_redis::PoolError) -> Self {
+        SlotError::Redis(QueueError::Pool(e))
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Waiter {
+    id: u64,
+    tx: oneshot::Sender<Lease>,
+}
+
+struct PoolState {
+    name: String,
+    /// N as recorded fleet-wide.
+    size: u32,
+    slot_keys: Vec<String>,
+    queue_key: String,
+    waiters: Mutex<VecDeque<Waiter>>,
+    /// When the driver should next try on its own (nearest lease expiry).
+    next_check: Mutex<Instant>,
+}
+
+impl PoolState {
+    /// True if a live local waiter exists (dropping the ones whose acquire was abandoned).
+    fn has_waiters(&self) -> bool {
+        let mut w = lock(&self.waiters);
+        w.retain(|x| !x.tx.is_closed());
+        !w.is_empty()
+    }
+}
+
+struct Held {
+    pool: String,
+    idx: u32,
+    since: Instant,
+    lost: Arc<AtomicBool>,
+}
+
+struct Inner {
+    pool: deadpool_redis::Pool,
+    cfg: Config,
+    keys: Keys,
+    token: String,
+    ttl: Duration,
+    pools: HashMap<String, PoolState>,
+    held: Mutex<HashMap<String, Held>>,
+    driver_wake: Notify,
+    next_waiter: AtomicU64,
+    stopped: AtomicBool,
+    acquire_script: redis::Script,
+    release_script: redis::Script,
+    renew_script: redis::Script,
+}
+
+/// Handle to this process's view of the fleet-wide slots. Cheap to clone.
+#[derive(Clone)]
+pub struct Slots {
+    inner: Arc<Inner>,
+}
+
+/// One held slot. Release it with [`Lease::release`]; dropping it releases it in the
+/// background (so a cancelled job never leaks a slot beyond its TTL).
+pub struct Lease {
+    inner: Arc<Inner>,
+    pool: String,
+    idx: u32,
+    key: String,
+    lost: Arc<AtomicBool>,
+    done: bool,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lease({})", self.key)
+    }
+}
+
+enum Try {
+    Got(u32),
+    Wait(Duration),
+}
+
+impl Slots {
+    /// Records (or reads) each pool's fleet-wide N and prepares the scripts. Needs Redis.
+    pub async fn connect(cfg: &Config, pool: deadpool_redis::Pool) -> Result<Slots, SlotError> {
+        let keys = Keys::new(&cfg.queue.namespace);
+        let mut pools = HashMap::new();
+        {
+            let mut conn = pool.get().await?;
+            for (name, pc) in &cfg.pools {
+                let size_key = keys.pool_size(name);
+                let _: Option<String> = redis::cmd("SET")
+                    .arg(&size_key)
+                    .arg(pc.slots)
+                    .arg("NX")
+                    .query_async(&mut *conn)
+                    .await?;
+                let recorded: Option<u32> = redis::cmd("GET")
+                    .arg(&size_key)
+                    .query_async(&mut *conn)
+                    .await?;
+                let size = match recorded {
+                    Some(n) if n > 0 => n,
+                    _ => pc.slots,
+                };
+                if size != pc.slots {
+                    tracing::error!(
+                        pool = %name,
+                        configured = pc.slots,
+                        recorded = size,
+                        key = %size_key,
+                        "pool size differs from the fleet's recorded N; using the recorded N \
+                         (to change N for the whole fleet, SET that key and restart the workers)"
+                    );
+                    metrics::counter!("llm_worker_pool_size_mismatch_total", "pool" => name.clone())
+                        .increment(1);
+                }
+                pools.insert(
+                    name.clone(),
+                    PoolState {
+                        name: name.clone(),
+                        size,
+                        slot_keys: (0..size).map(|i| keys.slot(name, i)).collect(),
+                        queue_key: keys.slot_queue(name),
+                        waiters: Mutex::new(VecDeque::new()),
+                        next_check: Mutex::new(Instant::now()),
+                    },
+                );
+            }
+        }
+        let token = format!(
+            "{}:{}",
+            cfg.queue.consumer,
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        Ok(Slots {
+            inner: Arc::new(Inner {
+                pool,
+                cfg: cfg.clone(),
+                keys,
+                token,
+                ttl: Duration::from_millis(cfg.slots.ttl_ms),
+                pools,
+                held: Mutex::new(HashMap::new()),
+                driver_wake: Notify::new(),
+                next_waiter: AtomicU64::new(0),
+                stopped: AtomicBool::new(false),
+                acquire_script: redis::Script::new(include_str!("../lua/slot_acquire.lua")),
+                release_script: redis::Script::new(include_str!("../lua/slot_release.lua")),
+                renew_script: redis::Script::new(include_str!("../lua/slot_renew.lua")),
+            }),
+        })
+    }
+
+    /// This process's holder token (the value of the slot keys it holds).
+    pub fn token(&self) -> &str {
+        &self.inner.token
+    }
+
+    /// N of `pool` as recorded fleet-wide.
+    pub fn pool_size(&self, pool: &str) -> Option<u32> {
+        self.inner.pools.get(pool).map(|p| p.size)
+    }
+
+    /// Number of slots this process holds now.
+    pub fn held(&self) -> usize {
+        lock(&self.inner.held).len()
+    }
+
+    /// Starts the driver (serves waiters) and the renewer. Both end when `cancel` fires.
+    pub fn spawn_background(&self, cancel: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let driver = tokio::spawn(driver(self.inner.clone(), cancel.clone()));
+        let renewer = tokio::spawn(renewer(self.inner.clone(), cancel));
+        tokio::spawn(async move {
+            let _ = driver.await;
+            let _ = renewer.await;
+        })
+    }
+
+    /// Takes a slot of `pool` without waiting: `Ok(None)` if none is free (or others wait).
+    pub async fn try_acquire(&self, pool: &str) -> Result<Option<Lease>, SlotError> {
+        let ps = self.pool_state(pool)?;
+        if ps.has_waiters() {
+            return Ok(None);
+        }
+        match try_take(&self.inner, ps, false).await? {
+            Try::Got(i) => Ok(Some(make_lease(&self.inner, ps, i))),
+            Try::Wait(_) => Ok(None),
+        }
+    }
+
+    /// Takes a slot of `pool`, waiting up to `timeout` (woken by hand-off, not by polling).
+    pub async fn acquire(&self, pool: &str, timeout: Duration) -> Result<Lease, SlotError> {
+        let inner = &self.inner;
+        let ps = self.pool_state(pool)?;
+        let started = Instant::now();
+        let (tx, mut rx) = oneshot::channel();
+        let id = inner.next_waiter.fetch_add(1, Ordering::Relaxed);
+        // Queue locally first, so a hand-off that arrives while our first try is on the
+        // wire finds us.
+        let first = {
+            let mut w = lock(&ps.waiters);
+            w.retain(|x| !x.tx.is_closed());
+            w.push_back(Waiter { id, tx });
+            w.len() == 1
+        };
+        if first {
+            match try_take(inner, ps, true).await {
+                Ok(Try::Got(i)) => {
+                    let lease = make_lease(inner, ps, i);
+                    if !remove_waiter(ps, id) {
+                        // The driver took our entry meanwhile; whatever it sends us is
+                        // dropped with `rx` and so released.
+                        drop(rx);
+                    }
+                    observe_wait(pool, started);
+                    return Ok(lease);
+                }
+                Ok(Try::Wait(d)) => {
+                    *lock(&ps.next_check) = Instant::now() + d;
+                }
+                Err(e) => {
+                    remove_waiter(ps, id);
+                    return Err(e);
+                }
+            }
+        }
+        inner.driver_wake.notify_one();
+        match tokio::time::timeout(timeout.saturating_sub(started.elapsed()), &mut rx).await {
+            Ok(Ok(lease)) => {
+                observe_wait(pool, started);
+                Ok(lease)
+            }
+            Ok(Err(_)) => Err(SlotError::Stopped),
+            Err(_) => {
+                remove_waiter(ps, id);
+                rx.close();
+                if let Ok(lease) = rx.try_recv() {
+                    observe_wait(pool, started);
+                    return Ok(lease);
+                }
+                Err(SlotError::Timeout {
+                    pool: pool.to_string(),
+                    waited: started.elapsed(),
+                })
+            }
+        }
+    }
+
+    /// Releases every slot of every pool this process holds, leaves every waiter queue,
+    /// and stops handing out slots. One round trip. Returns how many were released or
+    /// handed on.
+    pub async fn release_all(&self) -> Result<u64, SlotError> {
+        let inner = &self.inner;
+        inner.stopped.store(true, Ordering::SeqCst);
+        for ps in inner.pools.values() {
+            lock(&ps.waiters).clear();
+        }
+        let mut inv = inner.release_script.prepare_invoke();
+        inv.arg(&inner.token)
+            .arg(inner.ttl.as_millis() as u64)
+            .arg(inner.keys.waiter_alive_prefix())
+            .arg(inner.keys.wake_prefix())
+            .arg("1");
+        for ps in inner.pools.values() {
+            inv.key(&ps.queue_key);
+            inv.arg(&ps.name).arg(ps.size);
+            for (i, k) in ps.slot_keys.iter().enumerate() {
+                inv.key(k);
+                inv.arg(i);
+            }
+        }
+        let mut conn = inner.pool.get().await?;
+        let (released, handed, _): (u64, u64, u64) = inv.invoke_async(&mut *conn).await?;
+        for (_, h) in lock(&inner.held).drain() {
+            h.lost.store(true, Ordering::SeqCst); // their own release must not run again
+        }
+        Ok(released + handed)
+    }
+
+    fn pool_state(&self, pool: &str) -> Result<&PoolState, SlotError> {
+        if self.inner.stopped.load(Ordering::SeqCst) {
+            return Err(SlotError::Stopped);
+        }
+        self.inner
+            .pools
+            .get(pool)
+            .ok_or_else(|| SlotError::UnknownPool(pool.to_string()))
+    }
+}
+
+fn observe_wait(pool: &str, started: Instant) {
+    metrics::histogram!("llm_worker_slot_wait_seconds", "pool" => pool.to_string())
+        .record(started.elapsed().as_secs_f64());
+}
+
+fn remove_waiter(ps: &PoolState, id: u64) -> bool {
+    let mut w = lock(&ps.waiters);
+    match w.iter().position(|x| x.id == id) {
+        Some(p) => {
+            w.remove(p);
+            true
+        }
+        None => false,
+    }
+}
+
+async fn try_take(inner: &Inner, ps: &PoolState, enqueue: bool) -> Result<Try, SlotError> {
+    let mut inv = inner.acquire_script.prepare_invoke();
+    inv.key(&ps.queue_key);
+    for k in &ps.slot_keys {
+        inv.key(k);
+    }
+    inv.arg(&inner.token)
+        .arg(inner.ttl.as_millis() as u64)
+        .arg(if enqueue { "1" } else { "0" })
+        .arg(WAITER_ALIVE_MS)
+        .arg(inner.keys.waiter_alive_prefix());
+    let mut conn = inner.pool.get().await?;
+    let (i, wait): (i64, i64) = inv.invoke_async(&mut *conn).await?;
+    Ok(if i >= 0 {
+        Try::Got(i as u32)
+    } else {
+        Try::Wait(Duration::from_millis(wait.max(1) as u64))
+    })
+}
+
+fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32) -> Lease {
+    let key = ps.slot_keys[idx as usize].clone();
+    let lost = Arc::new(AtomicBool::new(false));
+    let prev = lock(&inner.held).insert(
+        key.clone(),
+        Held {
+            pool: ps.name.clone(),
+            idx,
+            since: Instant::now(),
+            lost: lost.clone(),
+        },
+    );
+    if let Some(old) = prev {
+        // We were given a slot our table still shows as ours: the old lease expired
+        // unnoticed (e.g. the process was paused) and the key was taken again.
+        old.lost.store(true, Ordering::SeqCst);
+        lease_lost(&ps.name, idx, "expired and re-taken before renewal noticed");
+    }
+    metrics::gauge!("llm_worker_slots_held").set(lock(&inner.held).len() as f64);
+    Lease {
+        inner: inner.clone(),
+        pool: ps.name.clone(),
+        idx,
+        key,
+        lost,
+        done: false,
+    }
+}
+
+fn lease_lost(pool: &str, idx: u32, why: &str) {
+    tracing::warn!(
+        pool,
+        slot = idx,
+        why,
+        "slot lease lost; the call it covered finishes without it"
+    );
+    metrics::counter!("llm_worker_slot_leases_lost_total", "pool" => pool.to_string()).increment(1);
+}
+
+impl Lease {
+    pub fn pool(&self) -> &str {
+        &self.pool
+    }
+    pub fn index(&self) -> u32 {
+        self.idx
+    }
+    /// True once renewal found the lease expired or taken by someone else.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Token-checked release; hands the slot to a waiter if one is queued.
+    pub async fn release(mut self) -> Result<(), SlotError> {
+        self.done = true;
+        release_lease(&self.inner, &self.pool, self.idx, &self.key, &self.lost).await
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let (inner, pool, idx, key, lost) = (
+            self.inner.clone(),
+            self.pool.clone(),
+            self.idx,
+            self.key.clone(),
+            self.lost.clone(),
+        );
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(async move {
+                if let Err(e) = release_lease(&inner, &pool, idx, &key, &lost).await {
+                    tracing::warn!(error = %e, slot = %key, "background slot release failed; the TTL frees it");
+                }
+            });
+        }
+    }
+}
+
+async fn release_lease(
+    inner: &Arc<Inner>,
+    pool: &str,
+    idx: u32,
+    key: &str,
+    lost: &Arc<AtomicBool>,
+) -> Result<(), SlotError> {
+    {
+        let mut held = lock(&inner.held);
+        if held.get(key).is_some_and(|h| Arc::ptr_eq(&h.lost, lost)) {
+            held.remove(key);
+        }
+        metrics::gauge!("llm_worker_slots_held").set(held.len() as f64);
+    }
+    if lost.load(Ordering::SeqCst) {
+        return Ok(()); // not ours any more: never touch another holder's slot
+    }
+    let Some(ps) = inner.pools.get(pool) else {
+        return Ok(());
+    };
+    let mut inv = inner.release_script.prepare_invoke();
+    inv.key(&ps.queue_key)
+        .key(key)
+        .arg(&inner.token)
+        .arg(inner.ttl.as_millis() as u64)
+        .arg(inner.keys.waiter_alive_prefix())
+        .arg(inner.keys.wake_prefix())
+        .arg("0")
+        .arg(pool)
+        .arg(1)
+        .arg(idx);
+    let mut conn = inner.pool.get().await?;
+    let (_, _, not_ours): (u64, u64, u64) = inv.invoke_async(&mut *conn).await?;
+    if not_ours > 0 {
+        lease_lost(pool, idx, "found expired or taken at release");
+    }
+    Ok(())
+}
+
+/// Gives `lease` to the longest-waiting local waiter of its pool; drops (releases) it if
+/// nobody waits any more.
+fn deliver(ps: &PoolState, mut lease: Lease) {
+    loop {
+        let next = lock(&ps.waiters).pop_front();
+        match next {
+            Some(w) => match w.tx.send(lease) {
+                Ok(()) => return,
+                Err(back) => lease = back,
+            },
+            None => return, // dropped here -> released in the background
+        }
+    }
+}
+
+/// Serves this process's waiters: blocks on the hand-off list, for at most the time until
+/// the nearest known lease expiry (and at most a second, to refresh liveness).
+async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
+    let wake_key = format!("{}{}", inner.keys.wake_prefix(), inner.token);
+    let mut conn: Option<MultiplexedConnection> = None;
+    let mut failing = false;
+    loop {
+        if cancel.is_cancelled() || inner.stopped.load(Ordering::SeqCst) {
+            return;
+        }
+        let waiting: Vec<&PoolState> = inner.pools.values().filter(|p| p.has_waiters()).collect();
+        if waiting.is_empty() {
+            tokio::select! {
+                _ = inner.driver_wake.notified() => continue,
+                _ = cancel.cancelled() => return,
+            }
+        }
+        let now = Instant::now();
+        let tick = waiting
+            .iter()
+            .map(|p| lock(&p.next_check).saturating_duration_since(now))
+            .min()
+            .unwrap_or(MAX_WAIT_TICK)
+            .clamp(Duration::from_millis(2), MAX_WAIT_TICK);
+        if conn.is_none() {
+            match blocking_connection(&inner.cfg).await {
+                Ok(c) => conn = Some(c),
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!(error = %e, "slot waiter cannot reach Redis; retrying");
+                        failing = true;
+                    }
+                    sleep_or_cancel(Duration::from_millis(250), &cancel).await;
+                    continue;
+                }
+            }
+        }
+        let Some(c) = conn.as_mut() else { continue };
+        let mut cmd = redis::cmd("BLPOP");
+        cmd.arg(&wake_key).arg(tick.as_secs_f64());
+        let blpop = cmd.query_async::<Option<(String, String)>>(c);
+        let r = tokio::select! {
+            r = tokio::time::timeout(tick + Duration::from_secs(2), blpop) => r,
+            _ = cancel.cancelled() => return,
+        };
+        let handed = match r {
+            Ok(Ok(v)) => {
+                if failing {
+                    tracing::info!("slot waiter reached Redis again");
+                    failing = false;
+                }
+                v
+            }
+            Ok(Err(e)) => {
+                if !failing {
+                    tracing::warn!(error = %e, "slot waiter lost Redis; retrying");
+                    failing = true;
+                }
+                conn = None;
+                sleep_or_cancel(Duration::from_millis(100), &cancel).await;
+                continue;
+            }
+            Err(_) => {
+                conn = None;
+                continue;
+            }
+        };
+        if let Some((_, msg)) = handed {
+            let Some((idx, pool)) = msg.split_once('|') else {
+                continue;
+            };
+            let (Ok(idx), Some(ps)) = (idx.parse::<u32>(), inner.pools.get(pool)) else {
+                continue;
+            };
+            if idx >= ps.size {
+                continue;
+            }
+            deliver(ps, make_lease(&inner, ps, idx));
+            // Still waiting here: queue again at the tail (round robin between processes).
+            if ps.has_waiters() {
+                retry_pool(&inner, ps).await;
+            }
+        } else {
+            // Timed out: a lease may have expired (holder died), and liveness needs a refresh.
+            for ps in inner.pools.values() {
+                if ps.has_waiters() {
+                    retry_pool(&inner, ps).await;
+                }
+            }
+        }
+    }
+}
+
+async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
+    match try_take(inner, ps, true).await {
+        Ok(Try::Got(i)) => {
+            *lock(&ps.next_check) = Instant::now();
+            deliver(ps, make_lease(inner, ps, i));
+        }
+        Ok(Try::Wait(d)) => *lock(&ps.next_check) = Instant::now() + d,
+        Err(e) => {
+            tracing::debug!(error = %e, pool = %ps.name, "slot retry failed");
+            *lock(&ps.next_check) = Instant::now() + Duration::from_millis(100);
+        }
+    }
+}
+
+async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => {}
+        _ = cancel.cancelled() => {}
+    }
+}
+
+/// Renews every lease held longer than a third of the TTL, every third of the TTL, in
+/// one script per tick. Marks lost leases so their release never touches the key.
+async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
+    let period = inner.ttl / 3;
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = cancel.cancelled() => return,
+        }
+        let due: Vec<(String, Arc<AtomicBool>, String, u32)> = lock(&inner.held)
+            .iter()
+            .filter(|(_, h)| h.since.elapsed() >= period)
+            .map(|(k, h)| (k.clone(), h.lost.clone(), h.pool.clone(), h.idx))
+            .collect();
+        if due.is_empty() {
+            continue;
+        }
+        let mut inv = inner.renew_script.prepare_invoke();
+        for (k, ..) in &due {
+            inv.key(k);
+        }
+        inv.arg(&inner.token).arg(inner.ttl.as_millis() as u64);
+        let r: Result<Vec<i64>, SlotError> = async {
+            let mut conn = inner.pool.get().await?;
+            Ok(inv.invoke_async(&mut *conn).await?)
+        }
+        .await;
+        match r {
+            Ok(flags) => {
+                for ((key, lost, pool, idx), ok) in due.iter().zip(flags) {
+                    if ok == 0 && !lost.swap(true, Ordering::SeqCst) {
+                        let mut held = lock(&inner.held);
+                        if held.get(key).is_some_and(|h| Arc::ptr_eq(&h.lost, lost)) {
+                            held.remove(key);
+                        }
+                        drop(held);
+                        lease_lost(
+                            pool,
+                            *idx,
+                            "expired before renewal (process paused or Redis unreachable)",
+                        );
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "slot renewal failed; will retry next tick"),
+        }
+    }
+}
