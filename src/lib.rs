@@ -1,9 +1,13 @@
 //! llm-worker: a Redis-stream-driven LLM worker. See ARCHITECTURE.md for the map.
 pub mod config;
 pub mod cost;
+pub mod daemon;
 pub mod job;
 pub mod provider;
 pub mod queue;
 pub mod router;
+pub mod server;
+pub mod shutdown;
 pub mod slots;
+pub mod tools;
 pub mod worker;

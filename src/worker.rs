@@ -175,8 +175,13 @@ impl Worker {
             }
             let Some(c) = conn.as_mut() else { continue };
             // Not raced against `stop`: entries Redis hands us must reach a task, or they
-            // would sit pending until another worker reclaims them. BLOCK is short.
-            match self.queue.read_new(c, permits.len(), block).await {
+            // would sit pending until another worker reclaims them. BLOCK is short. Only
+            // `abort` (grace over, or Redis hanging) cuts a read short.
+            let read = tokio::select! {
+                r = self.queue.read_new(c, permits.len(), block) => r,
+                _ = abort.cancelled() => break,
+            };
+            match read {
                 Ok(deliveries) => {
                     self.redis_up();
                     backoff.reset();

@@ -1,0 +1,145 @@
+//! Wiring of the `run` subcommand: Redis, slots, worker, HTTP server and shutdown, in
+//! the order that makes a clean stop possible. Shared by `main` and the in-process demo.
+//!
+//! Shutdown order (vector-style): stop the source (reader) first, let jobs drain within
+//! the grace period, cancel the rest (left pending), release every slot, then return.
+
+use crate::config::Config;
+use crate::queue::{Queue, QueueError, command_pool};
+use crate::server;
+use crate::shutdown::Shutdown;
+use crate::slots::{SlotError, Slots};
+use crate::worker::{Backoff, Worker, WorkerError, WorkerState};
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    #[error("cannot listen on {addr}: {source} (fix server.listen)")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+}
+
+/// Runs the worker until `shutdown` has stopped it, then releases every slot.
+/// `listener`: an already-bound socket for /health, /ready, /metrics (None = no server).
+/// `state`: where readiness is published (shared with the caller, e.g. for tests).
+pub async fn run(
+    cfg: Config,
+    shutdown: Shutdown,
+    listener: Option<tokio::net::TcpListener>,
+    prom: Option<PrometheusHandle>,
+    state_out: Option<tokio::sync::oneshot::Sender<Arc<WorkerState>>>,
+) -> Result<(), DaemonError> {
+    let cfg = Arc::new(cfg);
+    let pool = command_pool(&cfg, cfg.worker.concurrency + 8)?;
+    let queue = Queue::new(&cfg, pool.clone());
+    let background = CancellationToken::new();
+
+    // Readiness is reported from the start, so /ready says 503 while Redis is away.
+    let state_holder = Arc::new(WorkerState::default());
+    let server_task = listener.map(|l| {
+        let (st, prom, bg) = (state_holder.clone(), prom.clone(), background.clone());
+        tokio::spawn(async move {
+            if let Err(e) = server::serve(l, st, prom, bg).await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        })
+    });
+
+    // Slots need Redis (to record N); wait for it, but give up on a signal.
+    let mut backoff = Backoff::new();
+    let mut logged = false;
+    let slots = loop {
+        match Slots::connect(&cfg, pool.clone()).await {
+            Ok(s) => break Some(s),
+            Err(e) => {
+                if !logged {
+                    tracing::error!(error = %e, url = %redact_url(&cfg.redis.url), "cannot reach Redis at start; retrying until it answers");
+                    logged = true;
+                }
+                if shutdown.stop.is_cancelled() {
+                    break None;
+                }
+                backoff.sleep(&shutdown.stop).await;
+            }
+        }
+    };
+    let Some(slots) = slots else {
+        background.cancel();
+        return Ok(());
+    };
+    if logged {
+        tracing::info!("Redis answers; starting");
+    }
+    let slots_task = slots.spawn_background(background.clone());
+    let mut worker = Worker::new(cfg.clone(), queue, slots.clone())?;
+    worker.state = state_holder.clone();
+    let worker = Arc::new(worker);
+    if let Some(tx) = state_out {
+        let _ = tx.send(worker.state.clone());
+    }
+    tracing::info!(
+        consumer = %cfg.queue.consumer,
+        concurrency = cfg.worker.concurrency,
+        pools = ?cfg.pools.keys().map(|p| (p.clone(), slots.pool_size(p).unwrap_or(0))).collect::<Vec<_>>(),
+        "worker started"
+    );
+    worker
+        .clone()
+        .run(shutdown.stop.clone(), shutdown.abort.clone())
+        .await;
+
+    match tokio::time::timeout(Duration::from_millis(1500), slots.release_all()).await {
+        Ok(Ok(n)) => tracing::info!(released = n, "released every slot"),
+        Ok(Err(e)) => log_release_failure(&e),
+        Err(_) => tracing::error!("releasing slots timed out; their TTL frees them"),
+    }
+    background.cancel();
+    let _ = tokio::time::timeout(Duration::from_millis(300), slots_task).await;
+    if let Some(t) = server_task {
+        let _ = tokio::time::timeout(Duration::from_millis(300), t).await;
+    }
+    tracing::info!("stopped cleanly");
+    Ok(())
+}
+
+fn log_release_failure(e: &SlotError) {
+    tracing::error!(error = %e, "releasing slots failed; their TTL frees them");
+}
+
+/// `redis://user:secret@host` -> `redis://user:[redacted]@host`, for logs and output.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (auth, host) = match rest.rsplit_once('@') {
+        Some(x) => x,
+        None => return url.to_string(),
+    };
+    let user = auth.split_once(':').map(|(u, _)| u).unwrap_or("");
+    format!("{scheme}://{user}:[redacted]@{host}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn redacts_url_passwords() {
+        assert_eq!(
+            super::redact_url("redis://:pw@h:1/0"),
+            "redis://:[redacted]@h:1/0"
+        );
+        assert_eq!(
+            super::redact_url("rediss://u:p@h"),
+            "rediss://u:[redacted]@h"
+        );
+        assert_eq!(super::redact_url("redis://h:6379"), "redis://h:6379");
+    }
+}

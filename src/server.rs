@@ -1,0 +1,61 @@
+//! Operations HTTP: `/health` (200 while the process runs), `/ready` (200 only while
+//! Redis answers and jobs are being taken), `/metrics` (Prometheus text).
+//!
+//! Invariant: knows no job logic; it only reads [`WorkerState`] and renders metrics.
+//! Nothing here prints configuration or environment.
+
+use crate::worker::WorkerState;
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusHandle;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone)]
+struct AppState {
+    worker: Arc<WorkerState>,
+    prom: Option<PrometheusHandle>,
+}
+
+pub fn router(worker: Arc<WorkerState>, prom: Option<PrometheusHandle>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { "ok\n" }))
+        .route("/ready", get(ready))
+        .route("/metrics", get(render_metrics))
+        .with_state(AppState { worker, prom })
+}
+
+async fn ready(State(s): State<AppState>) -> (StatusCode, &'static str) {
+    if s.worker.ready() {
+        (StatusCode::OK, "ready\n")
+    } else if !s
+        .worker
+        .taking_jobs
+        .load(std::sync::atomic::Ordering::SeqCst)
+    {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not taking jobs (starting or draining)\n",
+        )
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "redis unreachable\n")
+    }
+}
+
+async fn render_metrics(State(s): State<AppState>) -> String {
+    s.prom.as_ref().map(|h| h.render()).unwrap_or_default()
+}
+
+/// Serves on an already-bound listener until `shutdown` fires (tests bind 127.0.0.1:0).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    worker: Arc<WorkerState>,
+    prom: Option<PrometheusHandle>,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(worker, prom))
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+}

@@ -1,0 +1,75 @@
+//! Signals -> cancellation. One function waits for SIGTERM/SIGINT and drives two tokens:
+//! `stop` (stop taking jobs, drain) on the first signal, and `abort` (cancel what is still
+//! running) when the grace period ends or on a second signal.
+//!
+//! Invariant: this module knows nothing of jobs, Redis or HTTP.
+
+use futures::StreamExt;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook_tokio::Signals;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Debug, Default)]
+pub struct Shutdown {
+    /// First signal: stop taking jobs, let in-flight ones finish.
+    pub stop: CancellationToken,
+    /// Grace over (or second signal): cancel in-flight jobs, leave them pending.
+    pub abort: CancellationToken,
+}
+
+impl Shutdown {
+    pub fn new() -> Shutdown {
+        Shutdown::default()
+    }
+
+    /// Starts the drain: `stop` now, `abort` after `grace` unless already fired.
+    pub fn begin(&self, grace: Duration) {
+        if self.stop.is_cancelled() {
+            return;
+        }
+        self.stop.cancel();
+        let abort = self.abort.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(grace) => {
+                    tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; cancelling jobs still in flight (they stay pending)");
+                    abort.cancel();
+                }
+                _ = abort.cancelled() => {}
+            }
+        });
+    }
+
+    /// Installs the signal handlers and returns at once; the returned task ends after
+    /// the second signal (or never).
+    pub fn listen_for_signals(
+        &self,
+        grace: Duration,
+    ) -> std::io::Result<tokio::task::JoinHandle<()>> {
+        // SIGTERM: what systemd and Kubernetes send to stop a service.
+        // SIGINT: Ctrl-C from a person running the worker in a terminal.
+        let mut signals = Signals::new([SIGTERM, SIGINT])?;
+        let me = self.clone();
+        Ok(tokio::spawn(async move {
+            let mut seen = 0;
+            while let Some(sig) = signals.next().await {
+                seen += 1;
+                let name = if sig == SIGTERM { "SIGTERM" } else { "SIGINT" };
+                if seen == 1 {
+                    tracing::info!(
+                        signal = name,
+                        grace_ms = grace.as_millis() as u64,
+                        "stopping: no new jobs; draining in-flight jobs"
+                    );
+                    me.begin(grace);
+                } else {
+                    tracing::warn!(signal = name, "second signal: skipping the grace period");
+                    me.stop.cancel();
+                    me.abort.cancel();
+                    return;
+                }
+            }
+        }))
+    }
+}

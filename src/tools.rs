@@ -1,0 +1,457 @@
+//! The operator/producer subcommands: `enqueue`, `results`, `status`. They talk to Redis
+//! directly with the same key names as the worker ([`Keys`]).
+//!
+//! Invariant: nothing printed here contains a secret (URLs are redacted).
+
+use crate::config::Config;
+use crate::cost;
+use crate::job;
+use crate::queue::{Keys, QueueError, blocking_connection, connection_info};
+use redis::AsyncCommands;
+use redis::streams::{StreamRangeReply, StreamReadReply};
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    #[error(transparent)]
+    Queue(#[from] QueueError),
+    #[error("redis: {0} (is Redis running at redis.url?)")]
+    Redis(#[from] redis::RedisError),
+    #[error("{0}")]
+    Input(String),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+async fn conn(cfg: &Config) -> Result<redis::aio::MultiplexedConnection, ToolError> {
+    let client = redis::Client::open(connection_info(cfg)?)?;
+    let c = tokio::time::timeout(
+        Duration::from_secs(3),
+        client.get_multiplexed_async_connection(),
+    )
+    .await
+    .map_err(|_| {
+        ToolError::Input("Redis did not answer within 3 s (is it running at redis.url?)".into())
+    })??;
+    Ok(c)
+}
+
+/// What `enqueue` pushes: payload objects, validated like the worker validates them.
+pub fn build_payloads(
+    cfg: &Config,
+    prompts: &[String],
+    model: Option<&str>,
+    route: Option<&str>,
+    id: Option<&str>,
+    metadata: Option<&str>,
+    max_tokens: Option<u64>,
+    file_text: Option<&str>,
+) -> Result<Vec<String>, ToolError> {
+    let mut out = vec![];
+    let metadata: Option<Value> = match metadata {
+        Some(m) => Some(
+            serde_json::from_str(m)
+                .map_err(|e| ToolError::Input(format!("--metadata is not JSON: {e}")))?,
+        ),
+        None => None,
+    };
+    for (i, p) in prompts.iter().enumerate() {
+        let mut o = Map::new();
+        o.insert("messages".into(), json!([{"role": "user", "content": p}]));
+        if let Some(m) = model {
+            o.insert("model".into(), json!(m));
+        }
+        if let Some(r) = route {
+            o.insert("route".into(), json!(r));
+        }
+        if let Some(id) = id {
+            let id = if prompts.len() > 1 {
+                format!("{id}-{i}")
+            } else {
+                id.to_string()
+            };
+            o.insert("id".into(), json!(id));
+        }
+        if let Some(m) = &metadata {
+            o.insert("metadata".into(), m.clone());
+        }
+        if let Some(t) = max_tokens {
+            o.insert("max_tokens".into(), json!(t));
+        }
+        out.push(Value::Object(o).to_string());
+    }
+    if let Some(text) = file_text {
+        for (n, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            out.push(line.to_string());
+            let _ = n;
+        }
+    }
+    // Validate everything before pushing anything: a bad line loses nothing.
+    let mut errors = vec![];
+    for (n, p) in out.iter().enumerate() {
+        if let Err(e) = job::parse(Some(p.as_bytes()), "0-0", cfg.queue.max_payload_bytes, cfg) {
+            errors.push(format!("job {}: {e}", n + 1));
+        }
+    }
+    if !errors.is_empty() {
+        return Err(ToolError::Input(format!(
+            "nothing enqueued; fix these first:\n  {}",
+            errors.join("\n  ")
+        )));
+    }
+    if out.is_empty() {
+        return Err(ToolError::Input(
+            "nothing to enqueue: give --prompt or --file".into(),
+        ));
+    }
+    Ok(out)
+}
+
+/// Pushes payloads with XADD (pipelined); prints one entry id per line.
+pub async fn enqueue(
+    cfg: &Config,
+    payloads: &[String],
+    out: &mut impl Write,
+) -> Result<Vec<String>, ToolError> {
+    let keys = Keys::new(&cfg.queue.namespace);
+    let mut c = conn(cfg).await?;
+    let mut ids = vec![];
+    for chunk in payloads.chunks(500) {
+        let mut pipe = redis::pipe();
+        for p in chunk {
+            pipe.cmd("XADD")
+                .arg(&keys.jobs)
+                .arg("*")
+                .arg("payload")
+                .arg(p);
+        }
+        let got: Vec<String> = pipe.query_async(&mut c).await?;
+        for id in got {
+            writeln!(out, "{id}")?;
+            ids.push(id);
+        }
+    }
+    Ok(ids)
+}
+
+/// A result entry as a map of its fields.
+pub type ResultEntry = (String, BTreeMap<String, String>);
+
+fn to_entry(id: redis::streams::StreamId) -> ResultEntry {
+    let fields = id
+        .map
+        .into_iter()
+        .map(|(k, v)| {
+            let s = match v {
+                redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                redis::Value::SimpleString(s) => s,
+                redis::Value::Int(i) => i.to_string(),
+                other => format!("{other:?}"),
+            };
+            (k, s)
+        })
+        .collect();
+    (id.id, fields)
+}
+
+/// Finds the result of job `job_id`: through its dedupe marker when present, else by
+/// scanning the results stream from the newest entry.
+pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultEntry>, ToolError> {
+    let keys = Keys::new(&cfg.queue.namespace);
+    let mut c = conn(cfg).await?;
+    if let Some(rid) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
+        let r: StreamRangeReply = c.xrange(&keys.results, &rid, &rid).await?;
+        if let Some(e) = r.ids.into_iter().next() {
+            return Ok(Some(to_entry(e)));
+        }
+    }
+    let mut end = "+".to_string();
+    loop {
+        let r: StreamRangeReply = c.xrevrange_count(&keys.results, &end, "-", 1000).await?;
+        let n = r.ids.len();
+        let last = r.ids.last().map(|e| e.id.clone());
+        for e in r.ids {
+            let e = to_entry(e);
+            if e.1.get("job_id").map(String::as_str) == Some(job_id) {
+                return Ok(Some(e));
+            }
+        }
+        match last {
+            Some(l) if n == 1000 => end = format!("({l}"),
+            _ => return Ok(None),
+        }
+    }
+}
+
+pub fn print_result(e: &ResultEntry, as_json: bool, out: &mut impl Write) -> std::io::Result<()> {
+    if as_json {
+        let mut o = Map::new();
+        o.insert("entry".into(), json!(e.0));
+        for (k, v) in &e.1 {
+            o.insert(k.clone(), json!(v));
+        }
+        return writeln!(out, "{}", Value::Object(o));
+    }
+    let f = |k: &str| e.1.get(k).cloned().unwrap_or_default();
+    let detail = if f("status") == "ok" {
+        f("content")
+    } else {
+        f("error")
+    };
+    let detail: String = detail
+        .chars()
+        .take(80)
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    writeln!(
+        out,
+        "{}  {:<20} {:<7} {:<17} in={:<5} out={:<5} ${:<12} {}ms  {}",
+        e.0,
+        f("job_id"),
+        f("status"),
+        f("model"),
+        f("input_tokens"),
+        f("output_tokens"),
+        f("cost_usd"),
+        f("latency_ms"),
+        detail
+    )
+}
+
+/// `results`: the last `count` results, or one job's, optionally following new ones.
+pub async fn results(
+    cfg: &Config,
+    job_id: Option<&str>,
+    follow: bool,
+    count: usize,
+    as_json: bool,
+    out: &mut impl Write,
+) -> Result<bool, ToolError> {
+    let keys = Keys::new(&cfg.queue.namespace);
+    if let Some(id) = job_id {
+        loop {
+            if let Some(e) = find_result(cfg, id).await? {
+                print_result(&e, as_json, out)?;
+                return Ok(true);
+            }
+            if !follow {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    let mut c = conn(cfg).await?;
+    let r: StreamRangeReply = c.xrevrange_count(&keys.results, "+", "-", count).await?;
+    let mut last = "$".to_string();
+    for e in r.ids.into_iter().rev() {
+        last = e.id.clone();
+        print_result(&to_entry(e), as_json, out)?;
+    }
+    out.flush()?;
+    if !follow {
+        return Ok(true);
+    }
+    let mut bc = blocking_connection(cfg).await?;
+    loop {
+        let opts = redis::streams::StreamReadOptions::default()
+            .block(1000)
+            .count(100);
+        let r: Option<StreamReadReply> =
+            bc.xread_options(&[&keys.results], &[&last], &opts).await?;
+        for k in r.into_iter().flat_map(|r| r.keys) {
+            for e in k.ids {
+                last = e.id.clone();
+                print_result(&to_entry(e), as_json, out)?;
+            }
+        }
+        out.flush()?;
+    }
+}
+
+/// `status`: queue length, pending, consumers, slots and holders, dead letters, costs.
+pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
+    let keys = Keys::new(&cfg.queue.namespace);
+    let mut c = conn(cfg).await?;
+    let jobs_len: u64 = c.xlen(&keys.jobs).await.unwrap_or(0);
+    let results_len: u64 = c.xlen(&keys.results).await.unwrap_or(0);
+    let dead_len: u64 = c.xlen(&keys.dead).await.unwrap_or(0);
+    let mut group = json!(null);
+    let mut consumers = vec![];
+    let groups: redis::RedisResult<redis::Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&keys.jobs)
+        .query_async(&mut c)
+        .await;
+    if let Ok(redis::Value::Array(gs)) = groups {
+        for g in gs {
+            let m = value_map(g);
+            if m.get("name").map(String::as_str) == Some(cfg.queue.group.as_str()) {
+                group = json!({
+                    "name": m.get("name"),
+                    "pending": m.get("pending").and_then(|s| s.parse::<u64>().ok()),
+                    "lag": m.get("lag").and_then(|s| s.parse::<u64>().ok()),
+                    "last_delivered": m.get("last-delivered-id"),
+                });
+            }
+        }
+        let cs: redis::RedisResult<redis::Value> = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(&keys.jobs)
+            .arg(&cfg.queue.group)
+            .query_async(&mut c)
+            .await;
+        if let Ok(redis::Value::Array(cs)) = cs {
+            for x in cs {
+                let m = value_map(x);
+                consumers.push(json!({
+                    "name": m.get("name"),
+                    "pending": m.get("pending").and_then(|s| s.parse::<u64>().ok()),
+                    "idle_ms": m.get("idle").and_then(|s| s.parse::<u64>().ok()),
+                }));
+            }
+        }
+    }
+    let mut pools = serde_json::Map::new();
+    for (name, pc) in &cfg.pools {
+        let recorded: Option<u32> = c.get(keys.pool_size(name)).await?;
+        let n = recorded.unwrap_or(pc.slots);
+        let mut held = vec![];
+        for i in 0..n {
+            let k = keys.slot(name, i);
+            let holder: Option<String> = c.get(&k).await?;
+            if let Some(h) = holder {
+                let ttl: i64 = c.pttl(&k).await?;
+                held.push(json!({"slot": i, "holder": h, "ttl_ms": ttl}));
+            }
+        }
+        let waiting: u64 = c.zcard(keys.slot_queue(name)).await.unwrap_or(0);
+        pools.insert(
+            name.clone(),
+            json!({"slots": n, "configured": pc.slots, "held": held, "waiting_processes": waiting}),
+        );
+    }
+    let totals: BTreeMap<String, i64> = c.hgetall(&keys.costs).await?;
+    let mut per_model: BTreeMap<String, serde_json::Map<String, Value>> = BTreeMap::new();
+    let mut total_picos: i64 = 0;
+    for (k, v) in &totals {
+        let Some((model, field)) = k.rsplit_once(':') else {
+            continue;
+        };
+        let e = per_model.entry(model.to_string()).or_default();
+        if field == "cost_picos" {
+            total_picos += v;
+            e.insert(
+                "cost_usd".into(),
+                json!(cost::format_usd(cost::from_picos(*v))),
+            );
+        } else {
+            e.insert(field.to_string(), json!(v));
+        }
+    }
+    Ok(json!({
+        "redis": crate::daemon::redact_url(&cfg.redis.url),
+        "stream": keys.jobs,
+        "jobs_in_stream": jobs_len,
+        "group": group,
+        "consumers": consumers,
+        "results": results_len,
+        "dead_letters": dead_len,
+        "pools": pools,
+        "cost": {"total_usd": cost::format_usd(cost::from_picos(total_picos)), "models": per_model},
+    }))
+}
+
+fn value_map(v: redis::Value) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let items = match v {
+        redis::Value::Array(a) => a,
+        redis::Value::Map(m) => m.into_iter().flat_map(|(k, v)| [k, v]).collect(),
+        _ => return out,
+    };
+    let s = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        redis::Value::Int(i) => i.to_string(),
+        redis::Value::Nil => String::new(),
+        other => format!("{other:?}"),
+    };
+    for pair in items.chunks(2) {
+        if let [k, v] = pair {
+            out.insert(s(k), s(v));
+        }
+    }
+    out
+}
+
+/// Human-readable rendering of [`status`].
+pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
+    writeln!(out, "redis           {}", v["redis"].as_str().unwrap_or(""))?;
+    writeln!(
+        out,
+        "stream          {}  ({} entries)",
+        v["stream"].as_str().unwrap_or(""),
+        v["jobs_in_stream"]
+    )?;
+    writeln!(
+        out,
+        "group           {}  pending={} lag={}",
+        v["group"]["name"].as_str().unwrap_or("(none yet)"),
+        v["group"]["pending"],
+        v["group"]["lag"]
+    )?;
+    for c in v["consumers"].as_array().into_iter().flatten() {
+        writeln!(
+            out,
+            "  consumer      {}  pending={} idle_ms={}",
+            c["name"].as_str().unwrap_or(""),
+            c["pending"],
+            c["idle_ms"]
+        )?;
+    }
+    writeln!(out, "results         {}", v["results"])?;
+    writeln!(out, "dead letters    {}", v["dead_letters"])?;
+    if let Some(pools) = v["pools"].as_object() {
+        for (name, p) in pools {
+            let held = p["held"].as_array().map(|h| h.len()).unwrap_or(0);
+            writeln!(
+                out,
+                "pool {name:<10} {held}/{} slots held, {} processes waiting",
+                p["slots"], p["waiting_processes"]
+            )?;
+            for h in p["held"].as_array().into_iter().flatten() {
+                writeln!(
+                    out,
+                    "  slot {:<3} {}  ttl {} ms",
+                    h["slot"],
+                    h["holder"].as_str().unwrap_or(""),
+                    h["ttl_ms"]
+                )?;
+            }
+        }
+    }
+    writeln!(
+        out,
+        "cost total      ${}",
+        v["cost"]["total_usd"].as_str().unwrap_or("0")
+    )?;
+    if let Some(models) = v["cost"]["models"].as_object() {
+        for (m, t) in models {
+            writeln!(
+                out,
+                "  {m:<18} ${:<14} calls={} in={} out={} cached={}",
+                t["cost_usd"].as_str().unwrap_or("0"),
+                t["calls"],
+                t["input_tokens"],
+                t["output_tokens"],
+                t["cached_tokens"]
+            )?;
+        }
+    }
+    Ok(())
+}
