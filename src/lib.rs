@@ -8,6 +8,7 @@ pub mod queue;
 pub mod router;
 pub mod server;
 pub mod shutdown;
+pub mod sim;
 pub mod slots;
 pub mod tools;
 pub mod worker;
