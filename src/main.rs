@@ -1,1 +1,234 @@
-fn main() {}
+//! `llm-worker`: argument parsing and wiring only (business logic lives in the library).
+//! Exit codes: 0 clean shutdown, 2 config error (message names the key), 1 anything else.
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use llm_worker::config::{Config, ConfigError, resolve_path};
+use llm_worker::shutdown::Shutdown;
+use llm_worker::{daemon, demo, sim, tools};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Parser, Debug)]
+#[command(name = "llm-worker", version, about = "Queue-driven LLM worker: Redis stream in, results with exact cost out")]
+struct Cli {
+    /// Config file (else $LLM_WORKER_CONFIG, else config/default.toml).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// The daemon (the default without a subcommand).
+    Run,
+    /// Push jobs from flags or a JSONL file; prints one entry id per line.
+    Enqueue(EnqueueArgs),
+    /// Read results (--follow to tail, --job ID for one).
+    Results(ResultsArgs),
+    /// Queue length, pending, consumers, held slots and holders, dead letters, cost totals.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate the config and print it with secrets redacted.
+    CheckConfig,
+    /// A local OpenAI-compatible model server with settable latency, errors and token counts.
+    SimProvider(sim::SimArgs),
+    /// A self-contained run: simulated provider, sample jobs, results table, clean shutdown.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Args, Debug)]
+struct EnqueueArgs {
+    /// A user message; repeat for several jobs.
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// First-choice model.
+    #[arg(long)]
+    model: Option<String>,
+    /// Route name from [routes].
+    #[arg(long)]
+    route: Option<String>,
+    /// Job id (idempotency key); with several prompts, `-<n>` is appended.
+    #[arg(long)]
+    id: Option<String>,
+    /// JSON copied to the result.
+    #[arg(long)]
+    metadata: Option<String>,
+    #[arg(long)]
+    max_tokens: Option<u64>,
+    /// JSONL file of payloads, one JSON object per line (`-` = stdin).
+    #[arg(long)]
+    file: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct ResultsArgs {
+    /// Keep printing new results as they arrive.
+    #[arg(long)]
+    follow: bool,
+    /// Only the result of this job id (with --follow: wait for it).
+    #[arg(long)]
+    job: Option<String>,
+    /// One JSON object per line.
+    #[arg(long)]
+    json: bool,
+    /// How many of the latest results to show.
+    #[arg(long, default_value_t = 20)]
+    count: usize,
+}
+
+fn env_map() -> HashMap<String, String> {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .collect()
+}
+
+fn load_config(cli: &Cli, env: &HashMap<String, String>) -> Result<Config, ConfigError> {
+    Config::load(&resolve_path(cli.config.as_deref(), env), env)
+}
+
+fn init_tracing(format: &str, level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let env = env_map();
+    let needs_config = !matches!(cli.cmd, Some(Cmd::SimProvider(_)) | Some(Cmd::Demo(_)));
+    let cfg = if needs_config {
+        match load_config(&cli, &env) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        None
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let r = rt.block_on(real_main(cli, cfg, env));
+    // Do not wait for stray blocking tasks (e.g. a stdin reader) on the way out.
+    rt.shutdown_timeout(Duration::from_millis(200));
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn real_main(cli: Cli, cfg: Option<Config>, env: HashMap<String, String>) -> anyhow::Result<ExitCode> {
+    let mut out = std::io::stdout();
+    match cli.cmd {
+        None | Some(Cmd::Run) => {
+            let cfg = cfg.context("config")?;
+            init_tracing(&cfg.log.format, &cfg.log.level);
+            let prom = metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .context("installing the metrics recorder")?;
+            let upkeep = prom.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    upkeep.run_upkeep();
+                }
+            });
+            let listener = if cfg.server.listen.is_empty() {
+                None
+            } else {
+                Some(
+                    tokio::net::TcpListener::bind(&cfg.server.listen)
+                        .await
+                        .with_context(|| format!("cannot listen on {} (fix server.listen)", cfg.server.listen))?,
+                )
+            };
+            if let Some(l) = &listener {
+                tracing::info!(addr = %l.local_addr()?, "serving /health /ready /metrics");
+            }
+            let shutdown = Shutdown::new();
+            shutdown
+                .listen_for_signals(Duration::from_millis(cfg.worker.shutdown_grace_ms))
+                .context("installing signal handlers")?;
+            daemon::run(cfg, shutdown, listener, Some(prom), None).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::Enqueue(a)) => {
+            let cfg = cfg.context("config")?;
+            let file_text = match &a.file {
+                Some(p) if p.as_os_str() == "-" => Some(std::io::read_to_string(std::io::stdin())?),
+                Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?),
+                None => None,
+            };
+            let payloads = tools::build_payloads(
+                &cfg,
+                &a.prompt,
+                a.model.as_deref(),
+                a.route.as_deref(),
+                a.id.as_deref(),
+                a.metadata.as_deref(),
+                a.max_tokens,
+                file_text.as_deref(),
+            )?;
+            tools::enqueue(&cfg, &payloads, &mut out).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::Results(a)) => {
+            let cfg = cfg.context("config")?;
+            let found = tools::results(&cfg, a.job.as_deref(), a.follow, a.count, a.json, &mut out).await?;
+            if !found {
+                eprintln!("no result for job {}", a.job.unwrap_or_default());
+                return Ok(ExitCode::from(1));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::Status { json }) => {
+            let cfg = cfg.context("config")?;
+            let v = tools::status(&cfg).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                tools::print_status(&v, &mut out)?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::CheckConfig) => {
+            let cfg = cfg.context("config")?;
+            print!("{}", cfg.redacted_toml());
+            eprintln!("config ok");
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::SimProvider(a)) => {
+            init_tracing("text", "info");
+            let shutdown = Shutdown::new();
+            shutdown.listen_for_signals(Duration::ZERO)?;
+            let token = shutdown.stop.clone();
+            sim::run_cli(a, token).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::Demo(a)) => {
+            let code = demo::run(a, cli.config.as_deref(), &env).await?;
+            Ok(ExitCode::from(code))
+        }
+    }
+}
