@@ -42,7 +42,7 @@ impl Serialize for Secret {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub redis: RedisConfig,
@@ -68,7 +68,7 @@ pub struct RedisConfig {
     /// Environment variable holding the Redis password (used when set and non-empty).
     pub password_env: String,
     /// Filled by validation from `password_env`.
-    #[serde(skip_deserializing)]
+    #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub password: Option<Secret>,
 }
 
@@ -147,7 +147,7 @@ pub struct ProviderConfig {
     #[serde(default = "default_rps")]
     pub requests_per_second: u32,
     /// Filled by validation from `api_key_env`.
-    #[serde(skip_deserializing)]
+    #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
 }
 
@@ -191,23 +191,6 @@ fn default_pool() -> String {
     "default".into()
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            redis: RedisConfig::default(),
-            queue: QueueConfig::default(),
-            worker: WorkerConfig::default(),
-            server: ServerConfig::default(),
-            slots: SlotsConfig::default(),
-            log: LogConfig::default(),
-            pools: BTreeMap::new(),
-            providers: BTreeMap::new(),
-            models: BTreeMap::new(),
-            routes: BTreeMap::new(),
-            retry: RetryConfig::default(),
-        }
-    }
-}
 impl Default for RedisConfig {
     fn default() -> Self {
         RedisConfig {
@@ -349,8 +332,21 @@ pub fn resolve_path(
     cli: Option<&std::path::Path>,
     env: &std::collections::HashMap<String, String>,
 ) -> std::path::PathBuf {
-    todo!("helper: {cli:?} {env:?}")
+    if let Some(p) = cli {
+        return p.to_path_buf();
+    }
+    match env.get(CONFIG_PATH_ENV) {
+        // An empty variable is "unset" (as `LLM_WORKER_CONFIG= llm-worker` usually means).
+        Some(p) if !p.is_empty() => std::path::PathBuf::from(p),
+        _ => std::path::PathBuf::from(DEFAULT_CONFIG_PATH),
+    }
 }
+
+/// Environment variable naming the config file (not an override: it has a single `_`).
+const CONFIG_PATH_ENV: &str = "LLM_WORKER_CONFIG";
+const DEFAULT_CONFIG_PATH: &str = "config/default.toml";
+/// Only variables with this prefix are overrides; the separator between levels is `__`.
+const ENV_OVERRIDE_PREFIX: &str = "LLM_WORKER__";
 
 impl Config {
     /// Reads the TOML file at `path`, applies `LLM_WORKER__...` overrides from `env`
@@ -359,7 +355,13 @@ impl Config {
         path: &std::path::Path,
         env: &std::collections::HashMap<String, String>,
     ) -> Result<Config, ConfigError> {
-        todo!("helper: {path:?} {env:?}")
+        // Read the file ourselves (rather than `config::File::from(path)`) so that a missing
+        // or unreadable file is a `ConfigError::File` with the OS reason, not a generic message.
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::File {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        build(&text, &path.display().to_string(), env)
     }
 
     /// As [`Config::load`] but from TOML text (tests, demo).
@@ -367,12 +369,19 @@ impl Config {
         text: &str,
         env: &std::collections::HashMap<String, String>,
     ) -> Result<Config, ConfigError> {
-        todo!("helper: {text} {env:?}")
+        build(text, "<inline config>", env)
     }
 
     /// The effective config as TOML, with secrets and URL passwords redacted.
     pub fn redacted_toml(&self) -> String {
-        todo!("helper")
+        let mut shown = self.clone();
+        shown.redis.url = redact_url_password(&shown.redis.url);
+        match toml::to_string(&shown) {
+            Ok(s) => s,
+            // Cannot happen for this shape (all maps keyed by strings, no bare `None`),
+            // but a diagnostic line beats a panic in `check-config`.
+            Err(e) => format!("# cannot render config as TOML: {e}\n"),
+        }
     }
 
     /// The model name sent upstream for the model keyed `name`.
@@ -381,5 +390,915 @@ impl Config {
             Some(m) if !m.upstream.is_empty() => &m.upstream,
             _ => name,
         }
+    }
+}
+
+/// Builds the layered config (file text, then `LLM_WORKER__` overrides), deserializes it
+/// into [`Config`] and validates it. `origin` names the text in file-level errors.
+fn build(
+    text: &str,
+    origin: &str,
+    env: &std::collections::HashMap<String, String>,
+) -> Result<Config, ConfigError> {
+    use config::{Environment, File, FileFormat};
+
+    // Only real overrides go to the config crate: `LLM_WORKER_CONFIG` (the file path) and
+    // unrelated variables must never become keys.
+    let overrides: config::Map<String, String> = env
+        .iter()
+        .filter(|(k, _)| k.starts_with(ENV_OVERRIDE_PREFIX) && k.len() > ENV_OVERRIDE_PREFIX.len())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+
+    let mut environment = Environment::with_prefix("LLM_WORKER")
+        .separator("__")
+        .try_parsing(true);
+    // A route is a list; from the environment it is written comma-separated
+    // (`LLM_WORKER__ROUTES__DEFAULT=a,b`). Only those keys are split, so a comma in any
+    // other value (a URL, say) stays as written. The config crate lowercases env keys
+    // before comparing, hence the lowercase here.
+    let route_prefix = format!("{ENV_OVERRIDE_PREFIX}ROUTES__");
+    let route_keys: Vec<String> = overrides
+        .keys()
+        .filter_map(|k| k.strip_prefix(&route_prefix))
+        .map(|name| format!("routes.{}", name.to_lowercase()))
+        .collect();
+    if !route_keys.is_empty() {
+        environment = environment.list_separator(",");
+        for key in &route_keys {
+            environment = environment.with_list_parse_key(key);
+        }
+    }
+    let environment = environment.source(Some(overrides));
+
+    let layered = config::Config::builder()
+        .add_source(File::from_str(text, FileFormat::Toml))
+        .add_source(environment)
+        .build()
+        .map_err(|e| from_config_error(e, origin, env))?;
+    let mut cfg: Config = layered
+        .try_deserialize()
+        .map_err(|e| from_config_error(e, origin, env))?;
+    cfg.validate(env).map_err(|e| with_env_source(e, env))?;
+    Ok(cfg)
+}
+
+/// Turns the config crate's error into ours with the dotted key of the offending value.
+///
+/// The config crate records where a value error happened (`Type`/`At` with `key`), but
+/// serde's "unknown field `x`" is raised while reading the *parent* table, so its key is
+/// the parent (`queue`) or absent (top level): the field name is appended here so that
+/// the key is the one the operator wrote (`queue.bogus`).
+fn from_config_error(
+    e: config::ConfigError,
+    origin: &str,
+    env: &std::collections::HashMap<String, String>,
+) -> ConfigError {
+    let err = match e {
+        config::ConfigError::Type {
+            unexpected,
+            expected,
+            key,
+            ..
+        } => ConfigError::invalid(
+            key.unwrap_or_default(),
+            format!("invalid type: {unexpected}, expected {expected}"),
+        ),
+        config::ConfigError::At { error, key, .. } => {
+            let (key, message) = key_and_message(key.unwrap_or_default(), &error.to_string());
+            ConfigError::invalid(key, message)
+        }
+        config::ConfigError::Message(m) => {
+            let (key, message) = key_and_message(String::new(), &m);
+            ConfigError::invalid(key, message)
+        }
+        config::ConfigError::NotFound(key) => ConfigError::invalid(key, "missing value"),
+        config::ConfigError::FileParse { cause, .. } => ConfigError::File {
+            path: origin.to_string(),
+            message: format!("not valid TOML: {cause}"),
+        },
+        other => ConfigError::invalid("", other.to_string()),
+    };
+    with_env_source(err, env)
+}
+
+/// Appends "(set by LLM_WORKER__A__B)" when the offending key came from an override, so
+/// an operator who never wrote `a.b` in the file knows where to look.
+fn with_env_source(
+    err: ConfigError,
+    env: &std::collections::HashMap<String, String>,
+) -> ConfigError {
+    let ConfigError::Invalid { key, message } = err else {
+        return err;
+    };
+    let var = env.keys().find(|k| {
+        k.strip_prefix(ENV_OVERRIDE_PREFIX)
+            .is_some_and(|rest| rest.to_lowercase().replace("__", ".") == key)
+    });
+    match var {
+        Some(var) => ConfigError::invalid(key, format!("{message} (set by {var})")),
+        None => ConfigError::Invalid { key, message },
+    }
+}
+
+/// Splits serde's "unknown field `x`, expected ..." / "missing field `x`" into the full
+/// key (`parent.x`) and a message in config terms; other messages keep `parent` as key.
+fn key_and_message(parent: String, message: &str) -> (String, String) {
+    let join = |field: &str| {
+        if parent.is_empty() {
+            field.to_string()
+        } else {
+            format!("{parent}.{field}")
+        }
+    };
+    for (marker, what) in [
+        ("unknown field `", "unknown key"),
+        ("missing field `", "missing key"),
+    ] {
+        if let Some(rest) = message.strip_prefix(marker)
+            && let Some((field, tail)) = rest.split_once('`')
+        {
+            // serde: "unknown field `x`, expected one of `a`, `b`" / "..., there are no fields"
+            let tail = tail.trim_start_matches(',').trim();
+            let message = if tail.is_empty() {
+                what.to_string()
+            } else {
+                format!("{what} ({tail})")
+            };
+            return (join(field), message);
+        }
+    }
+    (parent, message.to_string())
+}
+
+/// `scheme://user:password@host/...` -> `scheme://user:[redacted]@host/...`.
+fn redact_url_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    let Some(at) = authority.rfind('@') else {
+        return url.to_string();
+    };
+    let (userinfo, host) = authority.split_at(at);
+    match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:[redacted]{host}{path}"),
+        None => url.to_string(),
+    }
+}
+
+/// `<hostname>-<pid>`: `$HOSTNAME`, else `/etc/hostname`, else `worker`.
+fn default_consumer(env: &std::collections::HashMap<String, String>) -> String {
+    let host = env
+        .get("HOSTNAME")
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| "worker".to_string());
+    format!("{host}-{}", std::process::id())
+}
+
+/// Largest number of decimal places a price may have: one millionth of a USD per
+/// million tokens is one pico-dollar per token, so every cost stays an exact integer.
+const MAX_PRICE_SCALE: u32 = 6;
+
+fn check_price(key: String, value: Decimal) -> Result<(), ConfigError> {
+    if value.is_sign_negative() && !value.is_zero() {
+        return Err(ConfigError::invalid(
+            key,
+            format!("price must not be negative, got {value}"),
+        ));
+    }
+    if value.normalize().scale() > MAX_PRICE_SCALE {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "price {value} has more than {MAX_PRICE_SCALE} decimal places (USD per million tokens)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn require(ok: bool, key: &str, message: impl Into<String>) -> Result<(), ConfigError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(key, message))
+    }
+}
+
+impl Config {
+    /// Checks every cross-reference and range, and fills the derived fields
+    /// (`api_key`, `redis.password`, `queue.consumer`). The first problem found is returned.
+    fn validate(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        self.validate_redis(env)?;
+        self.validate_queue(env)?;
+        self.validate_process()?;
+        self.validate_pools_providers_models()?;
+        self.validate_routes()?;
+        self.resolve_api_keys(env)?;
+        Ok(())
+    }
+
+    fn validate_redis(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        let url = &self.redis.url;
+        require(
+            ["redis://", "rediss://", "unix://", "redis+unix://"]
+                .iter()
+                .any(|s| url.starts_with(s)),
+            "redis.url",
+            format!(
+                "must start with redis://, rediss:// or unix://, got {:?}",
+                redact_url_password(url)
+            ),
+        )?;
+        // The password is optional: a missing variable means "no password" (local Redis).
+        if !self.redis.password_env.is_empty()
+            && let Some(pw) = env.get(&self.redis.password_env)
+            && !pw.is_empty()
+        {
+            self.redis.password = Some(Secret::new(pw.clone()));
+        }
+        Ok(())
+    }
+
+    fn validate_queue(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        let q = &mut self.queue;
+        require(
+            !q.namespace.is_empty(),
+            "queue.namespace",
+            "must not be empty",
+        )?;
+        // The namespace becomes the hash tag `{ns}`: a brace would break the tag (and so
+        // the one-cluster-slot guarantee), whitespace makes keys awkward to type.
+        require(
+            !q.namespace
+                .chars()
+                .any(|c| c == '{' || c == '}' || c.is_whitespace()),
+            "queue.namespace",
+            format!(
+                "must not contain '{{', '}}' or whitespace, got {:?}",
+                q.namespace
+            ),
+        )?;
+        require(!q.group.is_empty(), "queue.group", "must not be empty")?;
+        require(
+            q.max_deliveries >= 1,
+            "queue.max_deliveries",
+            "must be at least 1",
+        )?;
+        require(
+            q.claim_idle_ms > 0,
+            "queue.claim_idle_ms",
+            "must be greater than 0",
+        )?;
+        require(
+            q.dedupe_ttl_s > 0,
+            "queue.dedupe_ttl_s",
+            "must be greater than 0",
+        )?;
+        require(
+            q.results_maxlen > 0,
+            "queue.results_maxlen",
+            "must be greater than 0",
+        )?;
+        require(
+            q.max_payload_bytes > 0,
+            "queue.max_payload_bytes",
+            "must be greater than 0",
+        )?;
+        require(
+            (1..=10_000).contains(&q.block_ms),
+            "queue.block_ms",
+            format!("must be between 1 and 10000, got {}", q.block_ms),
+        )?;
+        if q.consumer.is_empty() {
+            q.consumer = default_consumer(env);
+        }
+        Ok(())
+    }
+
+    fn validate_process(&self) -> Result<(), ConfigError> {
+        require(
+            self.worker.concurrency >= 1,
+            "worker.concurrency",
+            "must be at least 1",
+        )?;
+        // Short TTLs are allowed (tests use 1-2 s), but below 100 ms renewals could not keep up.
+        require(
+            self.slots.ttl_ms >= 100,
+            "slots.ttl_ms",
+            format!("must be at least 100, got {}", self.slots.ttl_ms),
+        )?;
+        require(
+            self.slots.acquire_timeout_ms > 0,
+            "slots.acquire_timeout_ms",
+            "must be greater than 0",
+        )?;
+        let r = &self.retry;
+        require(
+            r.max_attempts_per_model >= 1,
+            "retry.max_attempts_per_model",
+            "must be at least 1",
+        )?;
+        require(
+            r.base_delay_ms <= r.max_delay_ms,
+            "retry.base_delay_ms",
+            format!(
+                "must not exceed retry.max_delay_ms ({} > {})",
+                r.base_delay_ms, r.max_delay_ms
+            ),
+        )?;
+        require(
+            matches!(self.log.format.as_str(), "text" | "json"),
+            "log.format",
+            format!("must be \"text\" or \"json\", got {:?}", self.log.format),
+        )?;
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
+            return Err(ConfigError::invalid(
+                "log.level",
+                format!("not a valid filter directive {:?}: {e}", self.log.level),
+            ));
+        }
+        if !self.server.listen.is_empty()
+            && let Err(e) = self.server.listen.parse::<std::net::SocketAddr>()
+        {
+            return Err(ConfigError::invalid(
+                "server.listen",
+                format!(
+                    "must be empty or host:port with an IP address, got {:?}: {e}",
+                    self.server.listen
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_pools_providers_models(&self) -> Result<(), ConfigError> {
+        require(
+            !self.pools.is_empty(),
+            "pools",
+            "at least one pool is required, e.g. [pools.default] slots = 8",
+        )?;
+        for (name, pool) in &self.pools {
+            require(
+                pool.slots > 0,
+                &format!("pools.{name}.slots"),
+                "must be at least 1",
+            )?;
+        }
+        for (name, p) in &self.providers {
+            require(
+                p.base_url.starts_with("http://") || p.base_url.starts_with("https://"),
+                &format!("providers.{name}.base_url"),
+                format!("must start with http:// or https://, got {:?}", p.base_url),
+            )?;
+            require(
+                p.timeout_ms > 0,
+                &format!("providers.{name}.timeout_ms"),
+                "must be greater than 0",
+            )?;
+            require(
+                p.requests_per_second > 0,
+                &format!("providers.{name}.requests_per_second"),
+                "must be greater than 0",
+            )?;
+        }
+        for (name, m) in &self.models {
+            require(
+                self.providers.contains_key(&m.provider),
+                &format!("models.{name}.provider"),
+                format!(
+                    "unknown provider {:?} (known: {})",
+                    m.provider,
+                    known(self.providers.keys())
+                ),
+            )?;
+            require(
+                self.pools.contains_key(&m.pool),
+                &format!("models.{name}.pool"),
+                format!(
+                    "unknown pool {:?} (known: {})",
+                    m.pool,
+                    known(self.pools.keys())
+                ),
+            )?;
+            require(
+                m.context_window > 0,
+                &format!("models.{name}.context_window"),
+                "must be greater than 0",
+            )?;
+            check_price(format!("models.{name}.input_per_mtok"), m.input_per_mtok)?;
+            check_price(format!("models.{name}.output_per_mtok"), m.output_per_mtok)?;
+            if let Some(c) = m.cached_input_per_mtok {
+                check_price(format!("models.{name}.cached_input_per_mtok"), c)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_routes(&mut self) -> Result<(), ConfigError> {
+        // Entries from `LLM_WORKER__ROUTES__X=a, b` may carry spaces around the commas.
+        for models in self.routes.values_mut() {
+            for m in models.iter_mut() {
+                let trimmed = m.trim();
+                if trimmed.len() != m.len() {
+                    *m = trimmed.to_string();
+                }
+            }
+        }
+        require(
+            self.routes.contains_key("default"),
+            "routes.default",
+            "the route \"default\" is required (used by jobs that name no route)",
+        )?;
+        for (name, models) in &self.routes {
+            let key = format!("routes.{name}");
+            require(!models.is_empty(), &key, "must name at least one model")?;
+            for (i, m) in models.iter().enumerate() {
+                require(
+                    self.models.contains_key(m),
+                    &key,
+                    format!("unknown model {m:?} (known: {})", known(self.models.keys())),
+                )?;
+                require(
+                    !models[..i].contains(m),
+                    &key,
+                    format!("model {m:?} appears more than once"),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the API key of every provider that at least one model uses. A provider no
+    /// model refers to is never called, so a missing key for it is not an error (this
+    /// lets one file list providers that only some deployments have keys for).
+    fn resolve_api_keys(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        let used: std::collections::BTreeSet<String> =
+            self.models.values().map(|m| m.provider.clone()).collect();
+        for (name, p) in self.providers.iter_mut() {
+            if p.api_key_env.is_empty() || !used.contains(name) {
+                continue;
+            }
+            match env.get(&p.api_key_env) {
+                Some(v) if !v.is_empty() => p.api_key = Some(Secret::new(v.clone())),
+                _ => {
+                    return Err(ConfigError::invalid(
+                        format!("providers.{name}.api_key_env"),
+                        format!(
+                            "environment variable {} is not set (export it, or set api_key_env = \"\" for a local server)",
+                            p.api_key_env
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
+    let v: Vec<&str> = names.map(String::as_str).collect();
+    if v.is_empty() {
+        "none".to_string()
+    } else {
+        v.join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::str::FromStr;
+
+    const DEFAULT: &str = include_str!("../config/default.toml");
+    const DEMO: &str = include_str!("../config/demo.toml");
+    const KEY: &str = "sk-test-SECRET-0123456789";
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn with_key(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        let mut e = env(pairs);
+        e.insert("HOLYSHEEP_API_KEY".into(), KEY.into());
+        e
+    }
+
+    /// The key of an `Invalid` error (panics on success or `File`).
+    fn err_key(r: Result<Config, ConfigError>) -> (String, String) {
+        match r {
+            Err(ConfigError::Invalid { key, message }) => (key, message),
+            Err(other) => panic!("expected Invalid, got {other:?}"),
+            Ok(_) => panic!("expected an error, got a valid config"),
+        }
+    }
+
+    /// The demo config with `line` appended to the TOML (later keys in a table must be new).
+    fn demo_plus(extra: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(&format!("{DEMO}\n{extra}\n"), &env(&[]))
+    }
+
+    /// The demo config with one exact substring replaced.
+    fn demo_with(from: &str, to: &str) -> Result<Config, ConfigError> {
+        assert!(DEMO.contains(from), "demo.toml lacks {from:?}");
+        Config::from_toml_str(&DEMO.replacen(from, to, 1), &env(&[]))
+    }
+
+    #[test]
+    fn config_default_loads_with_api_key() {
+        let c = Config::from_toml_str(DEFAULT, &with_key(&[])).expect("default.toml");
+        assert_eq!(c.pools["default"].slots, 8);
+        let p = &c.providers["holysheep"];
+        assert_eq!(p.base_url, "https://api.holysheep.ai/v1");
+        assert_eq!(p.api_key.as_ref().map(Secret::expose), Some(KEY));
+        assert_eq!(
+            c.routes["default"],
+            ["deepseek-v3.2", "gemini-2.5-flash", "gpt-4.1"]
+        );
+        assert_eq!(c.routes["quality"], ["claude-sonnet-4.5", "gpt-4.1"]);
+        assert_eq!(c.models.len(), 4);
+        assert_eq!(c.server.listen, "0.0.0.0:8080");
+    }
+
+    #[test]
+    fn config_default_without_api_key_names_the_key() {
+        let (key, message) = err_key(Config::from_toml_str(DEFAULT, &env(&[])));
+        assert_eq!(key, "providers.holysheep.api_key_env");
+        assert!(message.contains("HOLYSHEEP_API_KEY"), "{message}");
+        // An empty variable counts as unset.
+        let (key, _) = err_key(Config::from_toml_str(
+            DEFAULT,
+            &env(&[("HOLYSHEEP_API_KEY", "")]),
+        ));
+        assert_eq!(key, "providers.holysheep.api_key_env");
+    }
+
+    #[test]
+    fn config_unused_provider_needs_no_key() {
+        let c = demo_plus(
+            "[providers.other]\nbase_url = \"https://x.example/v1\"\napi_key_env = \"OTHER_KEY_UNSET\"",
+        )
+        .expect("unused provider");
+        assert!(c.providers["other"].api_key.is_none());
+    }
+
+    #[test]
+    fn config_demo_loads_with_empty_env() {
+        let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo.toml");
+        assert_eq!(c.pools["default"].slots, 4);
+        assert_eq!(c.models["deepseek-v3.2"].provider, "sim");
+        assert_eq!(c.models["gpt-4.1"].provider, "sim-b");
+        assert!(c.providers.values().all(|p| p.api_key.is_none()));
+        assert_eq!(c.server.listen, "");
+        assert_eq!(c.worker.concurrency, 16);
+        assert_eq!(c.retry.base_delay_ms, 50);
+        assert_eq!(c.slots.acquire_timeout_ms, 2000);
+    }
+
+    #[test]
+    fn config_prices_are_exact() {
+        let c = Config::from_toml_str(DEFAULT, &with_key(&[])).expect("default.toml");
+        let d = |s: &str| Decimal::from_str(s).expect("decimal");
+        let m = &c.models["deepseek-v3.2"];
+        assert_eq!(m.input_per_mtok, d("0.14"));
+        assert_eq!(m.output_per_mtok, d("0.42"));
+        assert_eq!(m.cached_input_per_mtok, Some(d("0.028")));
+        assert_eq!(
+            c.models["gemini-2.5-flash"].cached_input_per_mtok,
+            Some(d("0.025"))
+        );
+        assert_eq!(c.models["claude-sonnet-4.5"].output_per_mtok, d("15"));
+    }
+
+    #[test]
+    fn config_price_precision_and_sign() {
+        let (key, _) = err_key(demo_with(
+            "input_per_mtok = 0.14 ",
+            "input_per_mtok = 0.1400001 ",
+        ));
+        assert_eq!(key, "models.deepseek-v3.2.input_per_mtok");
+        let (key, _) = err_key(demo_with(
+            "output_per_mtok = 0.42",
+            "output_per_mtok = -0.42",
+        ));
+        assert_eq!(key, "models.deepseek-v3.2.output_per_mtok");
+        // Six places are fine, and strings are accepted too.
+        demo_with("input_per_mtok = 0.14 ", "input_per_mtok = \"0.140001\" ")
+            .expect("six decimal places");
+    }
+
+    #[test]
+    fn config_unknown_key_in_file() {
+        let (key, message) = err_key(demo_with("[queue]\n", "[queue]\nbogus = 1\n"));
+        assert_eq!(key, "queue.bogus");
+        assert!(message.starts_with("unknown key"), "{message}");
+        let (key, _) = err_key(demo_plus("[bogus]\nx = 1"));
+        assert_eq!(key, "bogus");
+        let (key, _) = err_key(demo_with(
+            "context_window = 128000",
+            "context_window = 128000\ncontext_windw = 1",
+        ));
+        assert_eq!(key, "models.deepseek-v3.2.context_windw");
+    }
+
+    #[test]
+    fn config_unknown_key_via_env() {
+        let e = env(&[("LLM_WORKER__QUEUE__BOGUS", "1")]);
+        let (key, message) = err_key(Config::from_toml_str(DEMO, &e));
+        assert_eq!(key, "queue.bogus");
+        assert!(message.starts_with("unknown key"), "{message}");
+        assert!(
+            message.ends_with("(set by LLM_WORKER__QUEUE__BOGUS)"),
+            "{message}"
+        );
+        let e = env(&[("LLM_WORKER__BOGUS", "1")]);
+        assert_eq!(err_key(Config::from_toml_str(DEMO, &e)).0, "bogus");
+    }
+
+    #[test]
+    fn config_path_variable_is_not_an_override() {
+        let e = env(&[
+            ("LLM_WORKER_CONFIG", "/elsewhere.toml"),
+            ("LLM_WORKER_SOMETHING", "x"),
+            ("PATH", "/usr/bin"),
+        ]);
+        Config::from_toml_str(DEMO, &e).expect("only LLM_WORKER__ vars are overrides");
+    }
+
+    #[test]
+    fn config_type_error_names_key() {
+        let (key, message) = err_key(demo_with("slots = 4", "slots = \"abc\""));
+        assert_eq!(key, "pools.default.slots");
+        assert!(message.contains("abc"), "{message}");
+        let e = env(&[("LLM_WORKER__WORKER__CONCURRENCY", "lots")]);
+        assert_eq!(
+            err_key(Config::from_toml_str(DEMO, &e)).0,
+            "worker.concurrency"
+        );
+    }
+
+    #[test]
+    fn config_missing_required_key_names_it() {
+        let (key, message) = err_key(demo_with("context_window = 128000", ""));
+        assert_eq!(key, "models.deepseek-v3.2.context_window");
+        assert!(message.contains("missing"), "{message}");
+    }
+
+    #[test]
+    fn config_route_with_unknown_model() {
+        let (key, message) = err_key(demo_with(
+            "quality = [\"claude-sonnet-4.5\", \"gpt-4.1\"]",
+            "quality = [\"claude-sonnet-4.5\", \"gpt-5\"]",
+        ));
+        assert_eq!(key, "routes.quality");
+        assert!(message.contains("gpt-5"), "{message}");
+    }
+
+    #[test]
+    fn config_route_rules() {
+        let (key, _) = err_key(demo_with(
+            "default = [\"deepseek-v3.2\", \"gemini-2.5-flash\", \"gpt-4.1\"]",
+            "main = [\"gpt-4.1\"]",
+        ));
+        assert_eq!(key, "routes.default");
+        let (key, _) = err_key(demo_with(
+            "quality = [\"claude-sonnet-4.5\", \"gpt-4.1\"]",
+            "quality = []",
+        ));
+        assert_eq!(key, "routes.quality");
+        let (key, message) = err_key(demo_with(
+            "quality = [\"claude-sonnet-4.5\", \"gpt-4.1\"]",
+            "quality = [\"gpt-4.1\", \"claude-sonnet-4.5\", \"gpt-4.1\"]",
+        ));
+        assert_eq!(key, "routes.quality");
+        assert!(message.contains("more than once"), "{message}");
+    }
+
+    #[test]
+    fn config_route_override_from_env() {
+        let e = env(&[("LLM_WORKER__ROUTES__DEFAULT", "gpt-4.1, deepseek-v3.2")]);
+        let c = Config::from_toml_str(DEMO, &e).expect("route override");
+        assert_eq!(c.routes["default"], ["gpt-4.1", "deepseek-v3.2"]);
+        // Other values keep their commas.
+        let e = env(&[
+            ("LLM_WORKER__ROUTES__DEFAULT", "gpt-4.1"),
+            ("LLM_WORKER__QUEUE__GROUP", "a,b"),
+        ]);
+        let c = Config::from_toml_str(DEMO, &e).expect("single-model route");
+        assert_eq!(c.routes["default"], ["gpt-4.1"]);
+        assert_eq!(c.queue.group, "a,b");
+    }
+
+    #[test]
+    fn config_model_with_unknown_provider_or_pool() {
+        let (key, message) = err_key(demo_with("provider = \"sim-b\"", "provider = \"nope\""));
+        assert_eq!(key, "models.gpt-4.1.provider");
+        assert!(message.contains("nope"), "{message}");
+        let (key, message) = err_key(demo_with(
+            "provider = \"sim\"\npool = \"default\"",
+            "provider = \"sim\"\npool = \"gpu\"",
+        ));
+        assert_eq!(key, "models.gemini-2.5-flash.pool");
+        assert!(message.contains("gpu"), "{message}");
+    }
+
+    #[test]
+    fn config_pools() {
+        let (key, _) = err_key(demo_with("slots = 4", "slots = 0"));
+        assert_eq!(key, "pools.default.slots");
+        let e = env(&[("LLM_WORKER__POOLS__DEFAULT__SLOTS", "16")]);
+        let c = Config::from_toml_str(DEMO, &e).expect("slots override");
+        assert_eq!(c.pools["default"].slots, 16);
+        let e = env(&[("LLM_WORKER__POOLS__DEFAULT__SLOTS", "0")]);
+        let (key, message) = err_key(Config::from_toml_str(DEMO, &e));
+        assert_eq!(key, "pools.default.slots");
+        assert!(
+            message.ends_with("(set by LLM_WORKER__POOLS__DEFAULT__SLOTS)"),
+            "{message}"
+        );
+        let (key, _) = err_key(demo_with("[pools.default]\nslots = 4", ""));
+        assert_eq!(key, "pools");
+    }
+
+    #[test]
+    fn config_env_overrides_scalars() {
+        let e = env(&[
+            ("LLM_WORKER__REDIS__URL", "redis://10.0.0.5:6379"),
+            ("LLM_WORKER__QUEUE__NAMESPACE", "jobs2"),
+            ("LLM_WORKER__WORKER__CONCURRENCY", "4"),
+        ]);
+        let c = Config::from_toml_str(DEMO, &e).expect("overrides");
+        assert_eq!(c.redis.url, "redis://10.0.0.5:6379");
+        assert_eq!(c.queue.namespace, "jobs2");
+        assert_eq!(c.worker.concurrency, 4);
+    }
+
+    #[test]
+    fn config_range_checks_name_keys() {
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "url = \"redis://127.0.0.1:6379\"",
+                "url = \"http://x\"",
+                "redis.url",
+            ),
+            (
+                "namespace = \"llm\"",
+                "namespace = \"l{m}\"",
+                "queue.namespace",
+            ),
+            ("namespace = \"llm\"", "namespace = \"\"", "queue.namespace"),
+            ("group = \"workers\"", "group = \"\"", "queue.group"),
+            (
+                "max_deliveries = 5",
+                "max_deliveries = 0",
+                "queue.max_deliveries",
+            ),
+            ("block_ms = 1000", "block_ms = 20000", "queue.block_ms"),
+            ("concurrency = 16", "concurrency = 0", "worker.concurrency"),
+            ("ttl_ms = 10000", "ttl_ms = 50", "slots.ttl_ms"),
+            ("format = \"text\"", "format = \"xml\"", "log.format"),
+            ("listen = \"\"", "listen = \"nowhere\"", "server.listen"),
+            (
+                "base_delay_ms = 50",
+                "base_delay_ms = 5000",
+                "retry.base_delay_ms",
+            ),
+            (
+                "base_url = \"http://127.0.0.1:8089/v1\"",
+                "base_url = \"127.0.0.1:8089\"",
+                "providers.sim.base_url",
+            ),
+            (
+                "context_window = 128000",
+                "context_window = 0",
+                "models.deepseek-v3.2.context_window",
+            ),
+        ];
+        for (from, to, want) in cases {
+            assert_eq!(&err_key(demo_with(from, to)).0, want, "{from} -> {to}");
+        }
+        demo_with("listen = \"\"", "listen = \"127.0.0.1:0\"").expect("socket address");
+    }
+
+    #[test]
+    fn config_consumer_default_filled() {
+        let c = Config::from_toml_str(DEMO, &env(&[("HOSTNAME", "box7")])).expect("demo");
+        assert_eq!(c.queue.consumer, format!("box7-{}", std::process::id()));
+        let c = demo_with("consumer = \"\"", "consumer = \"me\"").expect("demo");
+        assert_eq!(c.queue.consumer, "me");
+    }
+
+    #[test]
+    fn config_redis_password_from_env() {
+        let c = Config::from_toml_str(DEMO, &env(&[("REDIS_PASSWORD", "pw123")])).expect("demo");
+        assert_eq!(c.redis.password.as_ref().map(Secret::expose), Some("pw123"));
+        let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo");
+        assert!(c.redis.password.is_none());
+    }
+
+    #[test]
+    fn config_redacted_toml_hides_secrets_and_round_trips() {
+        let e = with_key(&[
+            (
+                "LLM_WORKER__REDIS__URL",
+                "redis://user:hunter2@db.example:6380/0",
+            ),
+            ("REDIS_PASSWORD", "pw-from-env"),
+        ]);
+        let c = Config::from_toml_str(DEFAULT, &e).expect("default.toml");
+        let text = c.redacted_toml();
+        assert!(!text.contains(KEY), "{text}");
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(!text.contains("pw-from-env"), "{text}");
+        assert!(
+            text.contains("redis://user:[redacted]@db.example:6380/0"),
+            "{text}"
+        );
+        // Valid TOML, and (secrets aside) it loads back into the same config.
+        let value: toml::Table = toml::from_str(&text).expect("valid TOML");
+        assert!(value.contains_key("models"));
+        let stripped: String = text
+            .lines()
+            .filter(|l| !l.starts_with("api_key =") && !l.starts_with("password ="))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let back = Config::from_toml_str(&stripped, &with_key(&[])).expect("round trip");
+        assert_eq!(
+            back.models["deepseek-v3.2"].input_per_mtok,
+            c.models["deepseek-v3.2"].input_per_mtok
+        );
+        assert_eq!(back.routes, c.routes);
+        assert_eq!(back.queue.consumer, c.queue.consumer);
+    }
+
+    #[test]
+    fn config_redact_url_forms() {
+        assert_eq!(
+            redact_url_password("redis://:pw@h:1"),
+            "redis://:[redacted]@h:1"
+        );
+        assert_eq!(
+            redact_url_password("rediss://u:p@w@h/2"),
+            "rediss://u:[redacted]@h/2"
+        );
+        assert_eq!(redact_url_password("redis://h:6379"), "redis://h:6379");
+        assert_eq!(redact_url_password("redis://user@h"), "redis://user@h");
+    }
+
+    #[test]
+    fn config_resolve_path_order() {
+        use std::path::{Path, PathBuf};
+        let e = env(&[("LLM_WORKER_CONFIG", "/etc/w.toml")]);
+        assert_eq!(
+            resolve_path(Some(Path::new("a.toml")), &e),
+            PathBuf::from("a.toml")
+        );
+        assert_eq!(resolve_path(None, &e), PathBuf::from("/etc/w.toml"));
+        assert_eq!(
+            resolve_path(None, &env(&[])),
+            PathBuf::from("config/default.toml")
+        );
+    }
+
+    #[test]
+    fn config_load_file_and_missing_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("w.toml");
+        std::fs::write(&path, DEMO).expect("write");
+        Config::load(&path, &env(&[])).expect("load from file");
+        match Config::load(&dir.path().join("missing.toml"), &env(&[])) {
+            Err(ConfigError::File { path, .. }) => assert!(path.ends_with("missing.toml")),
+            other => panic!("expected File error, got {other:?}"),
+        }
+        std::fs::write(&path, "[queue\n").expect("write");
+        assert!(matches!(
+            Config::load(&path, &env(&[])),
+            Err(ConfigError::File { .. })
+        ));
     }
 }
