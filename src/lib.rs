@@ -2,6 +2,7 @@
 pub mod config;
 pub mod cost;
 pub mod daemon;
+pub mod demo;
 pub mod job;
 pub mod provider;
 pub mod queue;

@@ -12,7 +12,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 #[derive(Parser, Debug)]
-#[command(name = "llm-worker", version, about = "Queue-driven LLM worker: Redis stream in, results with exact cost out")]
+#[command(
+    name = "llm-worker",
+    version,
+    about = "Queue-driven LLM worker: Redis stream in, results with exact cost out"
+)]
 struct Cli {
     /// Config file (else $LLM_WORKER_CONFIG, else config/default.toml).
     #[arg(long, global = true)]
@@ -96,7 +100,9 @@ fn init_tracing(format: &str, level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if format == "json" {
         b.json().init();
     } else {
@@ -119,7 +125,10 @@ fn main() -> ExitCode {
     } else {
         None
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cannot start the async runtime: {e}");
@@ -138,7 +147,11 @@ fn main() -> ExitCode {
     }
 }
 
-async fn real_main(cli: Cli, cfg: Option<Config>, env: HashMap<String, String>) -> anyhow::Result<ExitCode> {
+async fn real_main(
+    cli: Cli,
+    cfg: Option<Config>,
+    env: HashMap<String, String>,
+) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout();
     match cli.cmd {
         None | Some(Cmd::Run) => {
@@ -160,7 +173,9 @@ async fn real_main(cli: Cli, cfg: Option<Config>, env: HashMap<String, String>) 
                 Some(
                     tokio::net::TcpListener::bind(&cfg.server.listen)
                         .await
-                        .with_context(|| format!("cannot listen on {} (fix server.listen)", cfg.server.listen))?,
+                        .with_context(|| {
+                            format!("cannot listen on {} (fix server.listen)", cfg.server.listen)
+                        })?,
                 )
             };
             if let Some(l) = &listener {
@@ -177,7 +192,10 @@ async fn real_main(cli: Cli, cfg: Option<Config>, env: HashMap<String, String>) 
             let cfg = cfg.context("config")?;
             let file_text = match &a.file {
                 Some(p) if p.as_os_str() == "-" => Some(std::io::read_to_string(std::io::stdin())?),
-                Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?),
+                Some(p) => Some(
+                    std::fs::read_to_string(p)
+                        .with_context(|| format!("cannot read {}", p.display()))?,
+                ),
                 None => None,
             };
             let payloads = tools::build_payloads(
@@ -195,7 +213,8 @@ async fn real_main(cli: Cli, cfg: Option<Config>, env: HashMap<String, String>) 
         }
         Some(Cmd::Results(a)) => {
             let cfg = cfg.context("config")?;
-            let found = tools::results(&cfg, a.job.as_deref(), a.follow, a.count, a.json, &mut out).await?;
+            let found =
+                tools::results(&cfg, a.job.as_deref(), a.follow, a.count, a.json, &mut out).await?;
             if !found {
                 eprintln!("no result for job {}", a.job.unwrap_or_default());
                 return Ok(ExitCode::from(1));
