@@ -1,0 +1,450 @@
+//! Test harness: a real `redis-server` per test on a free port (`--save '' --appendonly no`
+//! unless a test asks for AOF), the simulated provider in-process on 127.0.0.1:0, and the
+//! real `llm-worker` binary as a child process. Every wait is bounded.
+#![allow(dead_code)]
+
+use anyhow::{Context, Result, bail};
+use redis::AsyncCommands;
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A redis-server owned by one test; killed on drop.
+pub struct RedisServer {
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    child: Option<Child>,
+    aof: bool,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        Self::start_opts(false)
+    }
+
+    /// With `aof`, the queue survives a restart (chaos tests).
+    pub fn start_opts(aof: bool) -> RedisServer {
+        let mut r = RedisServer {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("tempdir"),
+            child: None,
+            aof,
+        };
+        r.spawn();
+        r
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", if self.aof { "yes" } else { "no" }])
+            .args(["--appendfsync", "everysec"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH (apt-get install redis-server)");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Stops with SHUTDOWN-like semantics (SIGTERM: AOF is flushed) and waits.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            signal(c.id(), libc_sig::TERM);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        let client = redis::Client::open(self.url()).expect("client");
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            client.get_multiplexed_async_connection(),
+        )
+        .await
+        .expect("redis connect timeout")
+        .expect("redis connect")
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub mod libc_sig {
+    pub const TERM: &str = "TERM";
+    pub const INT: &str = "INT";
+    pub const KILL: &str = "KILL";
+    pub const STOP: &str = "STOP";
+    pub const CONT: &str = "CONT";
+}
+
+/// Sends a signal by name with `kill(1)` (no libc dependency).
+pub fn signal(pid: u32, sig: &str) {
+    let _ = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status();
+}
+
+/// The simulated provider, in this test process.
+pub struct SimHandle {
+    pub sim: llm_worker::sim::Sim,
+    pub addr: SocketAddr,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl SimHandle {
+    pub async fn start(opts: llm_worker::sim::SimOptions) -> SimHandle {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (sim, addr) = llm_worker::sim::Sim::spawn(opts, stop.clone())
+            .await
+            .expect("sim");
+        SimHandle { sim, addr, stop }
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Parameters of a test config; `extra` is appended verbatim (use env overrides for
+/// values of tables already present).
+pub struct TestConfig {
+    pub redis_url: String,
+    pub sim: SocketAddr,
+    pub namespace: String,
+    pub slots: u32,
+    pub concurrency: usize,
+    pub ttl_ms: u64,
+    pub grace_ms: u64,
+    pub listen: String,
+    pub extra: String,
+}
+
+impl TestConfig {
+    pub fn new(redis: &RedisServer, sim: &SimHandle) -> TestConfig {
+        TestConfig {
+            redis_url: redis.url(),
+            sim: sim.addr,
+            namespace: "llm".into(),
+            slots: 4,
+            concurrency: 16,
+            ttl_ms: 3000,
+            grace_ms: 3000,
+            listen: String::new(),
+            extra: String::new(),
+        }
+    }
+
+    pub fn toml(&self) -> String {
+        format!(
+            r#"
+[redis]
+url = "{redis}"
+
+[queue]
+namespace = "{ns}"
+claim_idle_ms = 60000
+block_ms = 200
+
+[worker]
+concurrency = {conc}
+shutdown_grace_ms = {grace}
+
+[server]
+listen = "{listen}"
+
+[slots]
+ttl_ms = {ttl}
+acquire_timeout_ms = 1000
+
+[log]
+level = "info,llm_worker=debug"
+
+[pools.default]
+slots = {slots}
+
+[providers.p1]
+base_url = "http://{sim}/v1"
+api_key_env = ""
+
+[providers.p2]
+base_url = "http://{sim}/v1"
+api_key_env = ""
+
+[models.m1]
+provider = "p1"
+input_per_mtok = 0.14
+output_per_mtok = 0.42
+cached_input_per_mtok = 0.028
+context_window = 1000
+
+[models.m2]
+provider = "p1"
+input_per_mtok = 0.10
+output_per_mtok = 2.50
+context_window = 100000
+
+[models.m3]
+provider = "p2"
+input_per_mtok = 2.00
+output_per_mtok = 8.00
+cached_input_per_mtok = 0.50
+context_window = 1000000
+
+[routes]
+default = ["m1", "m2", "m3"]
+
+[retry]
+max_attempts_per_model = 3
+base_delay_ms = 20
+max_delay_ms = 100
+max_retry_after_ms = 2000
+{extra}
+"#,
+            redis = self.redis_url,
+            ns = self.namespace,
+            conc = self.concurrency,
+            grace = self.grace_ms,
+            listen = self.listen,
+            ttl = self.ttl_ms,
+            slots = self.slots,
+            sim = self.sim,
+            extra = self.extra,
+        )
+    }
+
+    pub fn write(&self, dir: &Path, name: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, self.toml()).expect("write config");
+        p
+    }
+
+    /// The same config as a parsed, validated [`llm_worker::config::Config`].
+    pub fn parsed(&self) -> llm_worker::config::Config {
+        llm_worker::config::Config::from_toml_str(&self.toml(), &HashMap::new())
+            .expect("test config")
+    }
+}
+
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_llm-worker"))
+}
+
+/// A worker process; killed on drop. Its stderr goes to a log file (printed by
+/// [`WorkerProc::log`] for diagnosis).
+pub struct WorkerProc {
+    pub child: Child,
+    pub log_path: PathBuf,
+}
+
+impl WorkerProc {
+    pub fn spawn(config: &Path, name: &str, env: &[(&str, &str)]) -> WorkerProc {
+        let log_path = config.with_file_name(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let mut cmd = Command::new(bin());
+        cmd.arg("--config").arg(config).arg("run");
+        cmd.env_remove("RUST_LOG");
+        cmd.env("LLM_WORKER__QUEUE__CONSUMER", name);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn llm-worker");
+        WorkerProc { child, log_path }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        signal(self.pid(), sig);
+    }
+
+    /// Waits for exit, at most `timeout`. `None` if still running.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `cond` every 20 ms until it is true or `timeout` passes.
+pub async fn wait_for<F, Fut>(timeout: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn key(ns: &str, name: &str) -> String {
+    format!("{{{ns}}}:{name}")
+}
+
+/// Pushes payloads (raw strings) as jobs; returns their entry ids.
+pub async fn push(
+    conn: &mut redis::aio::MultiplexedConnection,
+    ns: &str,
+    payloads: &[String],
+) -> Vec<String> {
+    let mut pipe = redis::pipe();
+    for p in payloads {
+        pipe.cmd("XADD")
+            .arg(key(ns, "jobs"))
+            .arg("*")
+            .arg("payload")
+            .arg(p);
+    }
+    pipe.query_async(conn).await.expect("xadd")
+}
+
+pub fn job(id: &str, text: &str) -> String {
+    serde_json::json!({"id": id, "messages": [{"role": "user", "content": text}]}).to_string()
+}
+
+/// Every entry of a stream as (entry id, fields).
+pub async fn entries(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+) -> Vec<(String, HashMap<String, String>)> {
+    let r: redis::streams::StreamRangeReply = conn.xrange_all(stream).await.expect("xrange");
+    r.ids
+        .into_iter()
+        .map(|e| {
+            let m = e
+                .map
+                .into_iter()
+                .map(|(k, v)| (k, redis::from_redis_value::<String>(v).unwrap_or_default()))
+                .collect();
+            (e.id, m)
+        })
+        .collect()
+}
+
+pub async fn xlen(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> u64 {
+    conn.xlen(stream).await.unwrap_or(0)
+}
+
+/// Slot keys present now.
+pub async fn slot_keys(conn: &mut redis::aio::MultiplexedConnection, ns: &str) -> Vec<String> {
+    conn.keys(format!("{{{ns}}}:slot:*"))
+        .await
+        .unwrap_or_default()
+}
+
+/// Waits until `stream` has at least `n` entries; fails with the worker logs if not.
+pub async fn wait_len(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    n: u64,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let len = xlen(conn, stream).await;
+        if len >= n {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("{stream} has {len} entries, expected {n} within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn context<T>(r: Result<T>, workers: &[&WorkerProc]) -> Result<T> {
+    r.with_context(|| {
+        workers
+            .iter()
+            .map(|w| format!("--- {} ---\n{}", w.log_path.display(), tail(&w.log(), 40)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
