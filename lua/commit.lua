@@ -3,10 +3,12 @@
 -- Every key shares the {namespace} hash tag, so this also runs on Redis Cluster.
 --
 -- KEYS[1] jobs stream   KEYS[2] results stream   KEYS[3] dead stream
--- KEYS[4] cost totals hash   KEYS[5] dedupe marker of the job id
+-- KEYS[4] cost totals hash   KEYS[5] result marker of the job id
+-- KEYS[6] in-progress marker of the job id (deleted if it is this entry's)
 -- ARGV[1] group   ARGV[2] job entry id   ARGV[3] results/dead MAXLEN (approximate)
--- ARGV[4] dedupe ttl in seconds (0 = no marker)   ARGV[5] 1 = XDEL the job entry after XACK
--- ARGV[6] n, then n field/value pairs of the result entry
+-- ARGV[4] result marker ttl in seconds (0 = no marker)   ARGV[5] 1 = XDEL the job entry
+-- ARGV[6] the result's status (stored in the marker)
+-- ARGV[7] n, then n field/value pairs of the result entry
 -- then m, then m field/value pairs of the dead-letter entry (m = 0: none)
 -- then k, then k field/increment pairs for the cost totals hash (integers)
 --
@@ -17,7 +19,7 @@ local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 if acked == 0 then
   return false
 end
-local i = 6
+local i = 7
 local function fields()
   local n = tonumber(ARGV[i])
   local out = {}
@@ -38,7 +40,10 @@ for j = 1, #costs, 2 do
   redis.call('HINCRBY', KEYS[4], costs[j], costs[j + 1])
 end
 if tonumber(ARGV[4]) > 0 then
-  redis.call('SET', KEYS[5], id, 'EX', ARGV[4])
+  redis.call('SET', KEYS[5], id .. '|' .. ARGV[6], 'EX', ARGV[4])
+end
+if redis.call('GET', KEYS[6]) == ARGV[2] then
+  redis.call('DEL', KEYS[6])
 end
 if ARGV[5] == '1' then
   redis.call('XDEL', KEYS[1], ARGV[2])

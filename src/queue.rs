@@ -65,9 +65,14 @@ impl Keys {
     pub fn wake_prefix(&self) -> String {
         format!("{}:slotwake:", self.prefix)
     }
-    /// Result marker of a job id (idempotency), value = result entry id.
+    /// Result marker of a job id (idempotency), value = `<result entry id>|<status>`.
     pub fn done(&self, job_id: &str) -> String {
         format!("{}:done:{job_id}", self.prefix)
+    }
+    /// In-progress marker of a job id, value = the job entry working on it (short TTL,
+    /// extended while the job runs).
+    pub fn inflight(&self, job_id: &str) -> String {
+        format!("{}:inflight:{job_id}", self.prefix)
     }
 }
 
@@ -160,8 +165,12 @@ pub struct Commit {
     pub entry_id: String,
     pub result: Vec<(&'static str, Vec<u8>)>,
     pub dead: Vec<(&'static str, Vec<u8>)>,
-    /// The job id whose dedupe marker to set (None: no marker).
+    /// The job id whose result marker to set (None: no marker).
     pub dedupe_id: Option<String>,
+    /// The job id whose in-progress marker to clear if it is this entry's.
+    pub inflight_id: Option<String>,
+    /// The result's status, stored in the result marker.
+    pub status: String,
     /// (hash field, integer increment) for `{ns}:cost`.
     pub costs: Vec<(String, i64)>,
 }
@@ -176,6 +185,28 @@ pub struct Queue {
     dedupe_ttl_s: u64,
     delete_acked: bool,
     commit_script: redis::Script,
+    claim_id_script: redis::Script,
+    keepalive_script: redis::Script,
+    claim_idle_ms: u64,
+}
+
+/// What the idempotency check says about a job id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdClaim {
+    /// Go ahead: this entry now owns the id's in-progress marker.
+    Claimed,
+    /// The id already has a result: `(result entry id, status)`.
+    Done { result_id: String, status: String },
+    /// Another entry with the same id is being worked on now.
+    Busy { other_entry: String },
+}
+
+/// Entries taken over from stalled consumers.
+#[derive(Debug, Default)]
+pub struct Reclaimed {
+    pub deliveries: Vec<Delivery>,
+    /// Entries that were pending but deleted from the stream; already acknowledged.
+    pub deleted: Vec<String>,
 }
 
 impl Queue {
@@ -189,6 +220,9 @@ impl Queue {
             dedupe_ttl_s: cfg.queue.dedupe_ttl_s,
             delete_acked: cfg.queue.delete_acked,
             commit_script: redis::Script::new(include_str!("../lua/commit.lua")),
+            claim_id_script: redis::Script::new(include_str!("../lua/claim_id.lua")),
+            keepalive_script: redis::Script::new(include_str!("../lua/keepalive.lua")),
+            claim_idle_ms: cfg.queue.claim_idle_ms,
         }
     }
 
@@ -257,6 +291,7 @@ impl Queue {
     /// pending (already committed elsewhere): nothing was written.
     pub async fn commit(&self, c: &Commit) -> Result<Option<String>, QueueError> {
         let dedupe_key = self.keys.done(c.dedupe_id.as_deref().unwrap_or(""));
+        let inflight_key = self.keys.inflight(c.inflight_id.as_deref().unwrap_or(""));
         let ttl = if c.dedupe_id.is_some() {
             self.dedupe_ttl_s
         } else {
@@ -268,11 +303,13 @@ impl Queue {
             .key(&self.keys.dead)
             .key(&self.keys.costs)
             .key(dedupe_key)
+            .key(inflight_key)
             .arg(&self.group)
             .arg(&c.entry_id)
             .arg(self.results_maxlen)
             .arg(ttl)
-            .arg(if self.delete_acked { 1 } else { 0 });
+            .arg(if self.delete_acked { 1 } else { 0 })
+            .arg(&c.status);
         inv.arg(c.result.len());
         for (k, v) in &c.result {
             inv.arg(*k).arg(v.as_slice());
@@ -287,6 +324,134 @@ impl Queue {
         }
         let mut conn = self.pool.get().await?;
         Ok(inv.invoke_async::<Option<String>>(&mut *conn).await?)
+    }
+}
+
+impl Queue {
+    /// The idempotency check for `job_id` (see `lua/claim_id.lua`).
+    pub async fn claim_id(&self, job_id: &str, entry_id: &str) -> Result<IdClaim, QueueError> {
+        let mut conn = self.pool.get().await?;
+        let (kind, val): (String, String) = self
+            .claim_id_script
+            .key(self.keys.done(job_id))
+            .key(self.keys.inflight(job_id))
+            .arg(entry_id)
+            .arg(self.claim_idle_ms)
+            .invoke_async(&mut *conn)
+            .await?;
+        Ok(match kind.as_str() {
+            "done" => {
+                let (rid, status) = val.split_once('|').unwrap_or((val.as_str(), "ok"));
+                IdClaim::Done {
+                    result_id: rid.to_string(),
+                    status: status.to_string(),
+                }
+            }
+            "busy" => IdClaim::Busy { other_entry: val },
+            _ => IdClaim::Claimed,
+        })
+    }
+
+    /// Resets the idle time of entries this consumer is still working on, and extends
+    /// their ids' in-progress markers. Returns the entries no longer ours.
+    pub async fn keepalive(&self, entries: &[(String, String)]) -> Result<Vec<String>, QueueError> {
+        if entries.is_empty() {
+            return Ok(vec![]);
+        }
+        let mut inv = self.keepalive_script.prepare_invoke();
+        inv.key(&self.keys.jobs);
+        for (_, job_id) in entries {
+            inv.key(self.keys.inflight(job_id));
+        }
+        inv.arg(&self.group)
+            .arg(&self.consumer)
+            .arg(self.claim_idle_ms);
+        for (entry, _) in entries {
+            inv.arg(entry);
+        }
+        let mut conn = self.pool.get().await?;
+        Ok(inv.invoke_async(&mut *conn).await?)
+    }
+
+    /// Takes over up to `count` entries pending longer than `queue.claim_idle_ms`
+    /// (XAUTOCLAIM, cursor followed to the end or until `count` are claimed), with their
+    /// delivery counts. Entries deleted from the stream while pending are acknowledged.
+    pub async fn reclaim(&self, count: usize) -> Result<Reclaimed, QueueError> {
+        let mut out = Reclaimed::default();
+        let mut conn = self.pool.get().await?;
+        let mut cursor = "0-0".to_string();
+        while out.deliveries.len() < count {
+            let reply: redis::streams::StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+                .arg(&self.keys.jobs)
+                .arg(&self.group)
+                .arg(&self.consumer)
+                .arg(self.claim_idle_ms)
+                .arg(&cursor)
+                .arg("COUNT")
+                .arg(count - out.deliveries.len())
+                .query_async(&mut *conn)
+                .await?;
+            if !reply.deleted_ids.is_empty() {
+                let _: i64 = redis::cmd("XACK")
+                    .arg(&self.keys.jobs)
+                    .arg(&self.group)
+                    .arg(&reply.deleted_ids)
+                    .query_async(&mut *conn)
+                    .await?;
+                out.deleted.extend(reply.deleted_ids);
+            }
+            if !reply.claimed.is_empty() {
+                let first = reply.claimed[0].id.clone();
+                let last = reply.claimed[reply.claimed.len() - 1].id.clone();
+                let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+                    .arg(&self.keys.jobs)
+                    .arg(&self.group)
+                    .arg(&first)
+                    .arg(&last)
+                    .arg(reply.claimed.len())
+                    .arg(&self.consumer)
+                    .query_async(&mut *conn)
+                    .await?;
+                let counts: std::collections::HashMap<String, u64> =
+                    pending.into_iter().map(|(id, _, _, n)| (id, n)).collect();
+                for id in reply.claimed {
+                    let n = counts.get(&id.id).copied().unwrap_or(2);
+                    out.deliveries.push(Delivery::from_stream_id(id, n));
+                }
+            }
+            cursor = reply.next_stream_id;
+            if cursor == "0-0" {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One result entry's fields, if it is still in the results stream.
+    pub async fn result_fields(
+        &self,
+        result_id: &str,
+    ) -> Result<Option<Vec<(String, Vec<u8>)>>, QueueError> {
+        let mut conn = self.pool.get().await?;
+        let r: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(&self.keys.results)
+            .arg(result_id)
+            .arg(result_id)
+            .query_async(&mut *conn)
+            .await?;
+        Ok(r.ids.into_iter().next().map(|e| {
+            e.map
+                .into_iter()
+                .map(|(k, v)| {
+                    let b = match v {
+                        Value::BulkString(b) => b,
+                        Value::SimpleString(s) => s.into_bytes(),
+                        _ => vec![],
+                    };
+                    (k, b)
+                })
+                .collect()
+        }))
     }
 }
 

@@ -83,20 +83,22 @@ pub fn build_payloads(
         }
         out.push(Value::Object(o).to_string());
     }
+    // Where each payload came from, for error messages: `--prompt <n>` or `line <n>`.
+    let mut origins: Vec<String> = (1..=out.len()).map(|n| format!("--prompt {n}")).collect();
     if let Some(text) = file_text {
         for (n, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
             }
             out.push(line.to_string());
-            let _ = n;
+            origins.push(format!("line {}", n + 1));
         }
     }
     // Validate everything before pushing anything: a bad line loses nothing.
     let mut errors = vec![];
-    for (n, p) in out.iter().enumerate() {
+    for (p, origin) in out.iter().zip(&origins) {
         if let Err(e) = job::parse(Some(p.as_bytes()), "0-0", cfg.queue.max_payload_bytes, cfg) {
-            errors.push(format!("job {}: {e}", n + 1));
+            errors.push(format!("{origin}: {e}"));
         }
     }
     if !errors.is_empty() {

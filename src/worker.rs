@@ -12,13 +12,13 @@ use crate::config::Config;
 use crate::cost::{self, Price, Usage};
 use crate::job::{self, Job};
 use crate::provider::{self, CallError, ProviderClient};
-use crate::queue::{Commit, Delivery, Queue, QueueError, blocking_connection};
+use crate::queue::{Commit, Delivery, IdClaim, Queue, QueueError, blocking_connection};
 use crate::router::{Candidate, Decision, ErrorClass, Plan, RetryPolicy};
 use crate::slots::{Lease, SlotError, Slots};
 use rust_decimal::Decimal;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -55,6 +55,8 @@ pub struct Worker {
     prices: HashMap<String, Price>,
     policy: RetryPolicy,
     pub state: Arc<WorkerState>,
+    /// Entries this process is working on: entry id -> job id (for keepalive).
+    active: Mutex<HashMap<String, String>>,
 }
 
 /// Costs and tokens of one job, per model, for the result and the exact Redis totals.
@@ -63,6 +65,8 @@ struct Bill {
     usage: Usage,
     cost: Decimal,
     per_model: BTreeMap<String, (Usage, Decimal, u64)>,
+    /// One-line notes for the result's `warning` field (e.g. a provider gave no usage).
+    warnings: Vec<String>,
 }
 
 impl Bill {
@@ -76,6 +80,14 @@ impl Bill {
             entry.0.add(&u);
             entry.1 += c;
         }
+    }
+
+    fn usage_missing(&mut self, model: &str) {
+        metrics::counter!("llm_worker_usage_missing_total", "model" => model.to_string())
+            .increment(1);
+        self.warnings.push(format!(
+            "{model} answered without usage: that call's cost is unknown and counted as 0"
+        ));
     }
 
     fn cost_fields(&self) -> Vec<(String, i64)> {
@@ -138,6 +150,7 @@ impl Worker {
             prices,
             policy,
             state: Arc::new(WorkerState::default()),
+            active: Mutex::new(HashMap::new()),
         })
     }
 
@@ -150,6 +163,12 @@ impl Worker {
         let block = Duration::from_millis(self.cfg.queue.block_ms);
         let mut conn = None;
         let mut backoff = Backoff::new();
+        let claim_idle = Duration::from_millis(self.cfg.queue.claim_idle_ms);
+        let reclaim_every =
+            (claim_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
+        let mut next_reclaim = Instant::now();
+        let keeper_stop = CancellationToken::new();
+        let keeper = tokio::spawn(self.clone().keep_alive(keeper_stop.clone()));
         self.state.taking_jobs.store(true, Ordering::SeqCst);
         loop {
             let first = tokio::select! {
@@ -173,6 +192,40 @@ impl Worker {
                     }
                 }
             }
+            // Take over jobs of stalled workers first (on start, then periodically).
+            if Instant::now() >= next_reclaim {
+                next_reclaim = Instant::now() + reclaim_every;
+                match self.queue.reclaim(permits.len()).await {
+                    Ok(r) => {
+                        for id in &r.deleted {
+                            tracing::warn!(entry = %id, "pending job was deleted from the stream; acknowledged without a result");
+                            metrics::counter!("llm_worker_jobs_deleted_while_pending_total")
+                                .increment(1);
+                        }
+                        if !r.deliveries.is_empty() {
+                            tracing::info!(
+                                count = r.deliveries.len(),
+                                "took over jobs pending longer than queue.claim_idle_ms"
+                            );
+                            metrics::counter!("llm_worker_jobs_reclaimed_total")
+                                .increment(r.deliveries.len() as u64);
+                        }
+                        for d in r.deliveries {
+                            let Some(permit) = permits.pop() else { break };
+                            self.spawn_job(&tracker, d, permit, &abort);
+                        }
+                        if permits.is_empty() {
+                            continue;
+                        }
+                    }
+                    Err(e) => {
+                        conn = None;
+                        self.redis_down(&e);
+                        backoff.sleep(&stop).await;
+                        continue;
+                    }
+                }
+            }
             let Some(c) = conn.as_mut() else { continue };
             // Not raced against `stop`: entries Redis hands us must reach a task, or they
             // would sit pending until another worker reclaims them. BLOCK is short. Only
@@ -187,14 +240,7 @@ impl Worker {
                     backoff.reset();
                     for d in deliveries {
                         let Some(permit) = permits.pop() else { break };
-                        let me = self.clone();
-                        let abort = abort.clone();
-                        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
-                        tracker.spawn(async move {
-                            me.handle(d, abort).await;
-                            me.state.in_flight.fetch_sub(1, Ordering::SeqCst);
-                            drop(permit);
-                        });
+                        self.spawn_job(&tracker, d, permit, &abort);
                     }
                 }
                 Err(e) => {
@@ -206,6 +252,7 @@ impl Worker {
         }
         self.state.taking_jobs.store(false, Ordering::SeqCst);
         tracker.close();
+        let _keeper_guard = KeeperGuard(keeper_stop, keeper);
         let mut tick = tokio::time::interval(Duration::from_secs(2));
         tick.tick().await;
         loop {
@@ -216,6 +263,51 @@ impl Worker {
                     aborting = abort.is_cancelled(),
                     "draining: jobs still in flight"
                 ),
+            }
+        }
+    }
+
+    fn spawn_job(
+        self: &Arc<Self>,
+        tracker: &TaskTracker,
+        d: Delivery,
+        permit: tokio::sync::OwnedSemaphorePermit,
+        abort: &CancellationToken,
+    ) {
+        let me = self.clone();
+        let abort = abort.clone();
+        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
+        tracker.spawn(async move {
+            me.handle(d, abort).await;
+            me.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+            drop(permit);
+        });
+    }
+
+    /// Every third of `queue.claim_idle_ms`, resets the idle time of the jobs this process
+    /// is working on, so a call that legitimately runs long is not taken over (and paid
+    /// for a second time) by another worker.
+    async fn keep_alive(self: Arc<Self>, stop: CancellationToken) {
+        let period = (Duration::from_millis(self.cfg.queue.claim_idle_ms) / 3)
+            .max(Duration::from_millis(50));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.cancelled() => return,
+            }
+            let entries: Vec<(String, String)> = lock(&self.active)
+                .iter()
+                .map(|(e, j)| (e.clone(), j.clone()))
+                .collect();
+            match self.queue.keepalive(&entries).await {
+                Ok(gone) => {
+                    for e in gone {
+                        tracing::warn!(entry = %e, "job is no longer pending under this worker (taken over or acknowledged elsewhere)");
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "keepalive failed; retrying next tick"),
             }
         }
     }
@@ -250,10 +342,24 @@ impl Worker {
                 return;
             }
         };
-        let Some(commit) = commit else { return };
+        let Some(commit) = commit else {
+            lock(&self.active).remove(&d.entry_id);
+            return;
+        };
+        self.commit_until_written(&d, &commit, &abort).await;
+        lock(&self.active).remove(&d.entry_id);
+    }
+
+    /// Writes a finished job's result, holding it in memory while Redis is away. Bounded:
+    /// at most `worker.concurrency` results wait (each holds its job's permit), each for at
+    /// most `queue.claim_idle_ms` — after that another worker may have taken the job over,
+    /// so the result is dropped, the job left to be reclaimed, and the loss counted.
+    async fn commit_until_written(&self, d: &Delivery, commit: &Commit, abort: &CancellationToken) {
         let mut backoff = Backoff::new();
+        let mut first_failure: Option<Instant> = None;
+        let limit = Duration::from_millis(self.cfg.queue.claim_idle_ms);
         loop {
-            match self.queue.commit(&commit).await {
+            match self.queue.commit(commit).await {
                 Ok(Some(_)) => return,
                 Ok(None) => {
                     tracing::warn!(entry = %d.entry_id, "job was already committed by another worker; result discarded");
@@ -261,13 +367,22 @@ impl Worker {
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(entry = %d.entry_id, error = %e, "commit failed; retrying");
+                    let first = first_failure.is_none();
+                    let since = *first_failure.get_or_insert_with(Instant::now);
+                    if first {
+                        tracing::warn!(entry = %d.entry_id, error = %e, "cannot write result; holding it and retrying");
+                    }
+                    if since.elapsed() > limit {
+                        tracing::error!(entry = %d.entry_id, waited_ms = since.elapsed().as_millis() as u64, "result held too long; dropping it (the job will be reclaimed and paid again)");
+                        metrics::counter!("llm_worker_results_lost_total").increment(1);
+                        return;
+                    }
                     if abort.is_cancelled() {
                         tracing::error!(entry = %d.entry_id, "shutting down with a result not written; the job stays pending and will be redone");
                         metrics::counter!("llm_worker_results_lost_total").increment(1);
                         return;
                     }
-                    backoff.sleep(&abort).await;
+                    backoff.sleep(abort).await;
                 }
             }
         }
@@ -325,13 +440,17 @@ impl Worker {
             entry_id: d.entry_id.clone(),
             result,
             dead,
-            dedupe_id: None,
+            // A dead job with a known id has a result: later copies of the id are duplicates.
+            dedupe_id: job_id.filter(|_| status == "dead").map(str::to_string),
+            inflight_id: job_id.map(str::to_string),
+            status: status.to_string(),
             costs: vec![],
         }
     }
 
     /// Everything between reading a job and its commit. `None`: leave the job pending.
     async fn process(&self, d: &Delivery, started: Instant) -> Option<Commit> {
+        let mut bill = Bill::default();
         let job = match job::parse(
             d.payload.as_deref(),
             &d.entry_id,
@@ -344,6 +463,41 @@ impl Worker {
                 return Some(self.reject(d, None, "invalid", &e.to_string(), started));
             }
         };
+        if d.deliveries > self.cfg.queue.max_deliveries {
+            let reason = format!(
+                "delivered {} times (queue.max_deliveries = {}): every worker that took it stopped before finishing",
+                d.deliveries, self.cfg.queue.max_deliveries
+            );
+            tracing::error!(entry = %d.entry_id, job = %job.id, "poison job; dead-lettered");
+            return Some(self.reject(d, Some(&job.id), "dead", &reason, started));
+        }
+        lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+        // Idempotency by id: one model call per id, however many copies are pushed.
+        let mut backoff = Backoff::new();
+        loop {
+            match self.queue.claim_id(&job.id, &d.entry_id).await {
+                Ok(IdClaim::Claimed) => break,
+                Ok(IdClaim::Done { result_id, status }) => {
+                    tracing::info!(entry = %d.entry_id, job = %job.id, original = %result_id, "duplicate job id; acknowledged without a model call");
+                    metrics::counter!("llm_worker_jobs_duplicate_total").increment(1);
+                    return Some(self.duplicate(d, &job, &result_id, &status, started).await);
+                }
+                Ok(IdClaim::Busy { other_entry }) => {
+                    tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => {
+                    tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying");
+                    backoff.sleep(&CancellationToken::new()).await;
+                }
+            }
+        }
+        if !d.extra_fields.is_empty() {
+            bill.warnings.push(format!(
+                "ignored stream fields other than payload: {}",
+                d.extra_fields.join(", ")
+            ));
+        }
         let candidates: Vec<Candidate> = job::model_order(&job, &self.cfg)
             .into_iter()
             .filter_map(|m| {
@@ -360,7 +514,6 @@ impl Worker {
             return Some(self.reject(d, Some(&job.id), "invalid", "no model to run on", started));
         }
         let mut plan = Plan::new(candidates, self.policy);
-        let mut bill = Bill::default();
         let mut attempts = 0u64;
         let mut tried: Vec<String> = vec![];
         let finished = loop {
@@ -393,6 +546,9 @@ impl Worker {
                 .record(call_started.elapsed().as_secs_f64());
             if let Some(price) = self.prices.get(&cand.model) {
                 bill.add(&cand.model, outcome.usage, price);
+            }
+            if outcome.usage.is_none() && outcome.result.is_ok() {
+                bill.usage_missing(&cand.model);
             }
             match outcome.result {
                 Ok(completion) => {
@@ -463,6 +619,12 @@ impl Worker {
         if let Some(m) = &job.metadata {
             result.push(("metadata", m.to_string().into_bytes()));
         }
+        if !bill.warnings.is_empty() {
+            result.push((
+                "warning",
+                provider::one_line(&bill.warnings.join("; ")).into_bytes(),
+            ));
+        }
         metrics::counter!("llm_worker_jobs_total", "status" => status).increment(1);
         metrics::histogram!("llm_worker_job_seconds").record(started.elapsed().as_secs_f64());
         Commit {
@@ -470,7 +632,59 @@ impl Worker {
             result,
             dead: vec![],
             dedupe_id: Some(job.id.clone()),
+            inflight_id: Some(job.id.clone()),
+            status: status.to_string(),
             costs: bill.cost_fields(),
+        }
+    }
+
+    /// The result for a copy of a job id that already has one: it points at the original
+    /// (`duplicate_of`), repeats its answer, and costs nothing (no model was called).
+    async fn duplicate(
+        &self,
+        d: &Delivery,
+        job: &Job,
+        result_id: &str,
+        status: &str,
+        started: Instant,
+    ) -> Commit {
+        let original = self
+            .queue
+            .result_fields(result_id)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let mut result = self.base_result(d, &job.id, status, started);
+        for (k, v) in original {
+            let k: &'static str = match k.as_str() {
+                "model" => "model",
+                "content" => "content",
+                "finish_reason" => "finish_reason",
+                "error" => "error",
+                _ => continue,
+            };
+            result.push((k, v));
+        }
+        result.extend([
+            ("input_tokens", b"0".to_vec()),
+            ("output_tokens", b"0".to_vec()),
+            ("cost_usd", b"0".to_vec()),
+            ("attempts", b"0".to_vec()),
+            ("tried", vec![]),
+            ("duplicate_of", result_id.as_bytes().to_vec()),
+        ]);
+        if let Some(m) = &job.metadata {
+            result.push(("metadata", m.to_string().into_bytes()));
+        }
+        Commit {
+            entry_id: d.entry_id.clone(),
+            result,
+            dead: vec![],
+            dedupe_id: None,
+            inflight_id: None,
+            status: status.to_string(),
+            costs: vec![],
         }
     }
 
@@ -508,6 +722,20 @@ impl Worker {
     }
 }
 
+/// Stops the keepalive task when the reader loop's drain ends.
+struct KeeperGuard(CancellationToken, tokio::task::JoinHandle<()>);
+
+impl Drop for KeeperGuard {
+    fn drop(&mut self) {
+        self.0.cancel();
+        self.1.abort();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn class_label(c: &ErrorClass) -> &'static str {
     match c {
         ErrorClass::Transient => "transient",
@@ -520,7 +748,7 @@ fn class_label(c: &ErrorClass) -> &'static str {
 
 /// Jittered exponential backoff for Redis reconnects: 100 ms doubling to 5 s.
 pub struct Backoff {
-    next: Duration,
+    pub next: Duration,
 }
 
 impl Backoff {

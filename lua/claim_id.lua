@@ -1,0 +1,18 @@
+-- Idempotency by job id: decide, in one step, whether this entry may call a model.
+-- KEYS[1] result marker of the id ({ns}:done:<id>, value "<result entry id>|<status>")
+-- KEYS[2] in-progress marker of the id ({ns}:inflight:<id>, value = the job entry id)
+-- ARGV[1] this job's entry id   ARGV[2] in-progress marker ttl ms
+-- Returns {'done', marker}: the id already has a result (acknowledge, no model call);
+--         {'claimed', ''}: go ahead (the marker is ours; a re-delivery of the same entry
+--                          takes its own marker over);
+--         {'busy', other entry id}: another copy of the id is being worked on now.
+local done = redis.call('GET', KEYS[1])
+if done then
+  return {'done', done}
+end
+local cur = redis.call('GET', KEYS[2])
+if (not cur) or cur == ARGV[1] then
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+  return {'claimed', ''}
+end
+return {'busy', cur}
