@@ -40,6 +40,7 @@ async fn conn(cfg: &Config) -> Result<redis::aio::MultiplexedConnection, ToolErr
 }
 
 /// What `enqueue` pushes: payload objects, validated like the worker validates them.
+#[allow(clippy::too_many_arguments)]
 pub fn build_payloads(
     cfg: &Config,
     prompts: &[String],
@@ -167,8 +168,10 @@ fn to_entry(id: redis::streams::StreamId) -> ResultEntry {
 pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultEntry>, ToolError> {
     let keys = Keys::new(&cfg.queue.namespace);
     let mut c = conn(cfg).await?;
-    if let Some(rid) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
-        let r: StreamRangeReply = c.xrange(&keys.results, &rid, &rid).await?;
+    if let Some(marker) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
+        // The marker is `<result entry id>|<status>` (lua/commit.lua).
+        let rid = marker.split_once('|').map_or(marker.as_str(), |(r, _)| r);
+        let r: StreamRangeReply = c.xrange(&keys.results, rid, rid).await?;
         if let Some(e) = r.ids.into_iter().next() {
             return Ok(Some(to_entry(e)));
         }

@@ -103,3 +103,558 @@ async fn three_hundred_jobs_all_ok_and_cost_matches_billed_tokens_exactly() -> a
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// Routing, retries, invalid jobs, metadata and slots: one worker, one job set per test.
+
+use llm_worker::sim::{Fault, Rule, SimStats};
+use std::collections::HashMap;
+
+/// A redis-server, the simulated provider, a written test config and (once spawned) one
+/// worker process.
+struct Bench {
+    redis: RedisServer,
+    sim: SimHandle,
+    _dir: tempfile::TempDir,
+    cfg_path: std::path::PathBuf,
+    conn: redis::aio::MultiplexedConnection,
+    worker: Option<WorkerProc>,
+}
+
+impl Bench {
+    async fn new(opts: SimOptions) -> Bench {
+        let redis = RedisServer::start();
+        let sim = SimHandle::start(opts).await;
+        let tc = TestConfig::new(&redis, &sim);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg_path = tc.write(dir.path(), "w.toml");
+        let conn = redis.conn().await;
+        Bench {
+            redis,
+            sim,
+            _dir: dir,
+            cfg_path,
+            conn,
+            worker: None,
+        }
+    }
+
+    fn spawn_worker(&mut self) {
+        self.worker = Some(WorkerProc::spawn(&self.cfg_path, "w1", &[]));
+    }
+
+    async fn push(&mut self, payloads: &[String]) -> Vec<String> {
+        push(&mut self.conn, "llm", payloads).await
+    }
+
+    /// Waits for `n` results in total; returns them keyed by `job_entry`.
+    async fn results(&mut self, n: u64) -> HashMap<String, HashMap<String, String>> {
+        let workers: Vec<&WorkerProc> = self.worker.iter().collect();
+        let waited = wait_len(&mut self.conn, "{llm}:results", n, Duration::from_secs(30)).await;
+        if let Err(e) = context(waited, &workers) {
+            panic!("{e:#}");
+        }
+        let all = entries(&mut self.conn, "{llm}:results").await;
+        assert_eq!(all.len() as u64, n, "exactly one result per job: {all:?}");
+        all.into_iter()
+            .map(|(_, r)| (r["job_entry"].clone(), r))
+            .collect()
+    }
+
+    fn stats(&self) -> SimStats {
+        self.sim.sim.stats()
+    }
+
+    fn log(&self) -> String {
+        self.worker.as_ref().map(|w| w.log()).unwrap_or_default()
+    }
+
+    /// SIGTERM; the worker exits 0, nothing is left pending and no slot key remains.
+    async fn shutdown(mut self) {
+        let mut w = self.worker.take().expect("a worker was spawned");
+        w.signal(libc_sig::TERM);
+        let status = w
+            .wait_timeout(Duration::from_secs(10))
+            .expect("worker exits within 10 s of SIGTERM");
+        assert!(status.success(), "exit {status:?}\n{}", w.log());
+        assert_eq!(
+            pending_count(&mut self.conn, "{llm}:jobs", "workers").await,
+            0,
+            "nothing left pending"
+        );
+        assert_eq!(slot_keys(&mut self.conn, "llm").await, Vec::<String>::new());
+        drop(self.redis);
+    }
+}
+
+fn always(model: &str, fault: Fault) -> Rule {
+    Rule {
+        model: model.into(),
+        fault,
+        probability: 1.0,
+        first_n: None,
+    }
+}
+
+/// Calls the sim answered for `model` with `status`.
+fn calls(stats: &SimStats, model: &str, status: u16) -> u64 {
+    stats
+        .requests
+        .get(model)
+        .and_then(|m| m.get(&status))
+        .copied()
+        .unwrap_or(0)
+}
+
+fn total_calls(stats: &SimStats, model: &str) -> u64 {
+    stats
+        .requests
+        .get(model)
+        .map(|m| m.values().sum())
+        .unwrap_or(0)
+}
+
+fn price(input: &str, output: &str, cached: Option<&str>) -> Price {
+    Price {
+        input_per_mtok: Decimal::from_str(input).unwrap(),
+        output_per_mtok: Decimal::from_str(output).unwrap(),
+        cached_input_per_mtok: cached.map(|c| Decimal::from_str(c).unwrap()),
+    }
+}
+
+fn billed_cost(stats: &SimStats, model: &str, price: &Price) -> Decimal {
+    let b = stats.billed.get(model).cloned().unwrap_or_default();
+    cost::cost(
+        &Usage {
+            prompt_tokens: b.prompt_tokens,
+            completion_tokens: b.completion_tokens,
+            cached_tokens: b.cached_tokens,
+        },
+        price,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_when_first_model_always_503_results_come_from_second() {
+    let mut b = Bench::new(SimOptions {
+        rules: vec![always("m1", Fault::Status { status: 503 })],
+        ..SimOptions::default()
+    })
+    .await;
+    let payloads: Vec<String> = (0..3)
+        .map(|i| job(&format!("fb-{i}"), &format!("fallback {i}")))
+        .collect();
+    b.push(&payloads).await;
+    b.spawn_worker();
+    let results = b.results(3).await;
+    let mut sum = Decimal::ZERO;
+    for r in results.values() {
+        assert_eq!(r["status"], "ok", "{r:?}");
+        assert_eq!(r["model"], "m2", "{r:?}");
+        assert_eq!(r["tried"], "m1,m2", "{r:?}");
+        // retry.max_attempts_per_model = 3 on m1, then one successful call on m2.
+        assert_eq!(r["attempts"], "4", "{r:?}");
+        assert!(r["content"].contains("[sim m2]"), "{r:?}");
+        assert!(!r.contains_key("error"), "{r:?}");
+        sum += Decimal::from_str(&r["cost_usd"]).unwrap();
+    }
+    let st = b.stats();
+    assert_eq!(calls(&st, "m1", 503), 9, "{:?}", st.requests);
+    assert_eq!(total_calls(&st, "m1"), 9, "{:?}", st.requests);
+    assert_eq!(calls(&st, "m2", 200), 3, "{:?}", st.requests);
+    for i in 0..3 {
+        assert_eq!(st.calls_per_job[&format!("fb-{i}")], 4, "{st:?}");
+    }
+    // The 503s reported no usage: only m2's answers are billed.
+    assert_eq!(sum, billed_cost(&st, "m2", &price("0.10", "2.50", None)));
+    assert!(sum > Decimal::ZERO);
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_with_retry_after_1s_waits_then_succeeds_on_same_model() {
+    let mut b = Bench::new(SimOptions {
+        rules: vec![Rule {
+            model: "m1".into(),
+            fault: Fault::RateLimit {
+                retry_after: Some("1".into()),
+                retry_after_ms: None,
+            },
+            probability: 1.0,
+            first_n: Some(1),
+        }],
+        ..SimOptions::default()
+    })
+    .await;
+    let entry = b.push(&[job("rl-1", "rate limited once")]).await;
+    b.spawn_worker();
+    let results = b.results(1).await;
+    let r = &results[&entry[0]];
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m1", "{r:?}");
+    assert_eq!(r["tried"], "m1", "{r:?}");
+    assert_eq!(r["attempts"], "2", "{r:?}");
+    let latency: u64 = r["latency_ms"].parse().unwrap();
+    assert!(
+        latency >= 1000,
+        "Retry-After: 1 honoured, latency {latency} ms"
+    );
+    let st = b.stats();
+    assert_eq!(calls(&st, "m1", 429), 1, "{:?}", st.requests);
+    assert_eq!(calls(&st, "m1", 200), 1, "{:?}", st.requests);
+    assert_eq!(total_calls(&st, "m2"), 0, "{:?}", st.requests);
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_limit_with_retry_after_above_cap_moves_to_next_model_at_once() {
+    // max_retry_after_ms = 2000 in the test config; 30 s is above it.
+    let mut b = Bench::new(SimOptions {
+        rules: vec![always(
+            "m1",
+            Fault::RateLimit {
+                retry_after: Some("30".into()),
+                retry_after_ms: None,
+            },
+        )],
+        ..SimOptions::default()
+    })
+    .await;
+    let entry = b.push(&[job("rl-cap", "rate limited for long")]).await;
+    b.spawn_worker();
+    let results = b.results(1).await;
+    let r = &results[&entry[0]];
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m2", "{r:?}");
+    assert_eq!(r["tried"], "m1,m2", "{r:?}");
+    assert_eq!(r["attempts"], "2", "{r:?}");
+    let latency: u64 = r["latency_ms"].parse().unwrap();
+    assert!(latency < 1500, "no wait on m1, latency {latency} ms");
+    let st = b.stats();
+    assert_eq!(calls(&st, "m1", 429), 1, "{:?}", st.requests);
+    assert_eq!(total_calls(&st, "m1"), 1, "{:?}", st.requests);
+    assert_eq!(calls(&st, "m2", 200), 1, "{:?}", st.requests);
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthorized_skips_the_whole_provider_and_falls_back_to_another() {
+    // m1 and m2 are on provider p1, m3 on p2.
+    let mut b = Bench::new(SimOptions {
+        rules: vec![always("m1", Fault::Status { status: 401 })],
+        ..SimOptions::default()
+    })
+    .await;
+    let entry = b.push(&[job("auth-1", "who am i")]).await;
+    b.spawn_worker();
+    let results = b.results(1).await;
+    let r = &results[&entry[0]];
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m3", "{r:?}");
+    assert_eq!(r["tried"], "m1,m3", "{r:?}");
+    assert_eq!(r["attempts"], "2", "{r:?}");
+    let st = b.stats();
+    assert_eq!(
+        calls(&st, "m1", 401),
+        1,
+        "no retry on p1: {:?}",
+        st.requests
+    );
+    assert_eq!(total_calls(&st, "m1"), 1, "{:?}", st.requests);
+    assert_eq!(total_calls(&st, "m2"), 0, "m2 is on p1: {:?}", st.requests);
+    assert_eq!(calls(&st, "m3", 200), 1, "{:?}", st.requests);
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_400_fails_the_job_after_exactly_one_attempt() {
+    let mut b = Bench::new(SimOptions {
+        rules: vec![always("m1", Fault::Status { status: 400 })],
+        ..SimOptions::default()
+    })
+    .await;
+    let entries_ = b
+        .push(&[
+            job("bad-req-1", "rejected"),
+            job("bad-req-2", "rejected too"),
+        ])
+        .await;
+    b.spawn_worker();
+    let results = b.results(2).await;
+    for e in &entries_ {
+        let r = &results[e];
+        assert_eq!(r["status"], "failed", "{r:?}");
+        assert_eq!(r["attempts"], "1", "{r:?}");
+        assert_eq!(r["tried"], "m1", "{r:?}");
+        assert_eq!(r["cost_usd"], "0", "{r:?}");
+        assert_eq!(r["input_tokens"], "0", "{r:?}");
+        assert_eq!(r["output_tokens"], "0", "{r:?}");
+        assert!(!r.contains_key("model"), "{r:?}");
+        let err = &r["error"];
+        assert!(!err.trim().is_empty(), "{r:?}");
+        assert!(!err.contains('\n'), "one line: {err:?}");
+    }
+    let st = b.stats();
+    assert_eq!(calls(&st, "m1", 400), 2, "{:?}", st.requests);
+    assert_eq!(total_calls(&st, "m2") + total_calls(&st, "m3"), 0);
+    // A failed job is not a dead letter.
+    assert_eq!(xlen(&mut b.conn, "{llm}:dead").await, 0);
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn context_length_exceeded_moves_to_a_model_with_a_larger_window() {
+    // Config windows: m1 1000, m2 100000, m3 1000000. The sim is stricter for m1 and m2.
+    let mut b = Bench::new(SimOptions {
+        context_windows: HashMap::from([("m1".to_string(), 50), ("m2".to_string(), 50)]),
+        ..SimOptions::default()
+    })
+    .await;
+    let long = "y".repeat(400); // 104 prompt tokens > 50
+    let payloads = vec![
+        job("ctx-route", &long),
+        serde_json::json!({"id": "ctx-m2", "model": "m2",
+            "messages": [{"role": "user", "content": long}]})
+        .to_string(),
+        job("ctx-short", "short"),
+    ];
+    let e = b.push(&payloads).await;
+    b.spawn_worker();
+    let results = b.results(3).await;
+    let (a, m2first, short) = (&results[&e[0]], &results[&e[1]], &results[&e[2]]);
+    assert_eq!(a["status"], "ok", "{a:?}");
+    assert_eq!(a["tried"], "m1,m2,m3", "{a:?}");
+    assert_eq!(a["attempts"], "3", "no retry of the same model: {a:?}");
+    assert_eq!(a["model"], "m3", "{a:?}");
+    // m2 (100000) failed, so m1 (1000) is skipped: only a larger window can help.
+    assert_eq!(m2first["status"], "ok", "{m2first:?}");
+    assert_eq!(m2first["tried"], "m2,m3", "{m2first:?}");
+    assert_eq!(m2first["attempts"], "2", "{m2first:?}");
+    assert_eq!(m2first["model"], "m3", "{m2first:?}");
+    assert_eq!(short["model"], "m1", "{short:?}");
+    assert_eq!(short["attempts"], "1", "{short:?}");
+    let st = b.stats();
+    assert_eq!(st.calls_per_job["ctx-route"], 3, "{st:?}");
+    assert_eq!(st.calls_per_job["ctx-m2"], 2, "{st:?}");
+    assert_eq!(calls(&st, "m1", 400), 1, "{:?}", st.requests);
+    assert_eq!(calls(&st, "m2", 400), 2, "{:?}", st.requests);
+    assert_eq!(calls(&st, "m3", 200), 2, "{:?}", st.requests);
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_payloads_are_dead_lettered_verbatim_and_later_good_jobs_succeed() {
+    let mut b = Bench::new(SimOptions::default()).await;
+    b.spawn_worker();
+    // (fields of the entry, what the error must name)
+    type Fields = Vec<(&'static str, Vec<u8>)>;
+    let cases: Vec<(Fields, &str)> = vec![
+        (vec![("payload", b"{not json".to_vec())], "not JSON"),
+        (vec![("payload", b"[1,2]".to_vec())], "JSON object"),
+        (
+            vec![("payload", br#"{"model":"m1"}"#.to_vec())],
+            "`messages` is missing",
+        ),
+        (
+            vec![("payload", br#"{"messages":[]}"#.to_vec())],
+            "`messages` must be a non-empty array",
+        ),
+        (
+            vec![("payload", br#"{"messages":"hello"}"#.to_vec())],
+            "`messages` must be an array",
+        ),
+        (
+            vec![("payload", br#"{"messages":[{"content":"hi"}]}"#.to_vec())],
+            "messages[0].role",
+        ),
+        (
+            vec![(
+                "payload",
+                br#"{"messages":[{"role":"user","content":"hi"}],"model":5}"#.to_vec(),
+            )],
+            "`model` must be a string",
+        ),
+        (
+            vec![(
+                "payload",
+                br#"{"messages":[{"role":"user","content":"hi"}],"model":"ghost"}"#.to_vec(),
+            )],
+            "unknown model `ghost`",
+        ),
+        (
+            vec![("payload", b"{\"messages\":\"\xff\xfe\"}".to_vec())],
+            "UTF-8",
+        ),
+        (vec![("data", b"no payload here".to_vec())], "`payload`"),
+    ];
+    let mut ids = vec![];
+    for (fields, _) in &cases {
+        let f: Vec<(&str, &[u8])> = fields.iter().map(|(k, v)| (*k, v.as_slice())).collect();
+        ids.push(push_fields(&mut b.conn, "llm", &f).await);
+    }
+    let n_bad = cases.len() as u64;
+    let results = b.results(n_bad).await;
+    let dead: HashMap<String, HashMap<String, Vec<u8>>> = entries_raw(&mut b.conn, "{llm}:dead")
+        .await
+        .into_iter()
+        .map(|(_, d)| (String::from_utf8_lossy(&d["job_entry"]).into_owned(), d))
+        .collect();
+    assert_eq!(dead.len() as u64, n_bad, "one dead letter per bad job");
+    for ((fields, needle), id) in cases.iter().zip(&ids) {
+        let r = &results[id];
+        assert_eq!(r["status"], "invalid", "{r:?}");
+        assert_eq!(r["job_id"], *id, "no id: the entry id: {r:?}");
+        assert_eq!(r["attempts"], "0", "{r:?}");
+        assert_eq!(r["cost_usd"], "0", "{r:?}");
+        assert!(
+            r["error"].contains(needle),
+            "error {:?} should name {needle:?}",
+            r["error"]
+        );
+        let d = &dead[id];
+        let original = fields
+            .iter()
+            .find(|(k, _)| *k == "payload")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        assert_eq!(
+            d.get("payload").cloned().unwrap_or_default(),
+            original,
+            "dead letter keeps the payload byte for byte ({needle})"
+        );
+        assert_eq!(String::from_utf8_lossy(&d["reason"]), r["error"]);
+        assert_eq!(String::from_utf8_lossy(&d["deliveries"]), "1");
+    }
+    assert_eq!(b.stats().requests, Default::default(), "no provider call");
+
+    // The worker is still taking jobs.
+    let good: Vec<String> = (0..3)
+        .map(|i| job(&format!("after-{i}"), &format!("good job {i}")))
+        .collect();
+    let good_ids = b.push(&good).await;
+    let results = b.results(n_bad + 3).await;
+    for id in &good_ids {
+        let r = &results[id];
+        assert_eq!(r["status"], "ok", "{r:?}\n{}", b.log());
+        assert_eq!(r["model"], "m1");
+    }
+    assert_eq!(xlen(&mut b.conn, "{llm}:dead").await, n_bad);
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_is_copied_and_job_id_defaults_to_the_entry_id() {
+    let mut b = Bench::new(SimOptions::default()).await;
+    let meta =
+        serde_json::json!({"user": "u-17", "tags": ["a", "b"], "n": 3, "nested": {"x": null}});
+    let payloads = vec![
+        serde_json::json!({"id": "meta-1", "metadata": meta,
+            "messages": [{"role": "user", "content": "with metadata"}]})
+        .to_string(),
+        serde_json::json!({"metadata": "just a string",
+            "messages": [{"role": "user", "content": "no id"}]})
+        .to_string(),
+        serde_json::json!({"messages": [{"role": "user", "content": "nothing extra"}]}).to_string(),
+    ];
+    let e = b.push(&payloads).await;
+    b.spawn_worker();
+    let results = b.results(3).await;
+    let (r1, r2, r3) = (&results[&e[0]], &results[&e[1]], &results[&e[2]]);
+    for r in [r1, r2, r3] {
+        assert_eq!(r["status"], "ok", "{r:?}");
+    }
+    assert_eq!(r1["job_id"], "meta-1");
+    let m1: serde_json::Value = serde_json::from_str(&r1["metadata"]).unwrap();
+    assert_eq!(m1, meta);
+    assert_eq!(r2["job_id"], e[1], "job id defaults to the entry id");
+    let m2: serde_json::Value = serde_json::from_str(&r2["metadata"]).unwrap();
+    assert_eq!(m2, serde_json::json!("just a string"));
+    assert_eq!(r3["job_id"], e[2]);
+    assert!(!r3.contains_key("metadata"), "{r3:?}");
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_is_held_during_every_call_and_none_is_left_after_the_run() {
+    const SLOTS: usize = 4; // TestConfig default
+    let latency = Duration::from_millis(300);
+    let mut b = Bench::new(SimOptions {
+        latency_ms: latency.as_millis() as u64,
+        ..SimOptions::default()
+    })
+    .await;
+    let payloads: Vec<String> = (0..6)
+        .map(|i| job(&format!("slot-{i}"), &format!("slot job {i}")))
+        .collect();
+    b.push(&payloads).await;
+    b.spawn_worker();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (mut checked, mut max_keys) = (0u32, 0usize);
+    loop {
+        // keys, then the sim's in-flight count, then keys again: a call in flight at the
+        // middle sample lasts `latency`, and its slot is held from before it started
+        // until after it ended, so one of the two key samples must see it when both are
+        // less than `latency` apart.
+        let t0 = std::time::Instant::now();
+        let before = slot_keys(&mut b.conn, "llm").await;
+        let in_flight = b.stats().in_flight;
+        let after = slot_keys(&mut b.conn, "llm").await;
+        let span = t0.elapsed();
+        for keys in [&before, &after] {
+            assert!(keys.len() <= SLOTS, "more slots held than exist: {keys:?}");
+            max_keys = max_keys.max(keys.len());
+            for k in keys.iter() {
+                let i: usize = k
+                    .strip_prefix("{llm}:slot:default:")
+                    .and_then(|i| i.parse().ok())
+                    .unwrap_or_else(|| panic!("unexpected slot key {k}"));
+                assert!(i < SLOTS, "slot index out of range: {k}");
+            }
+        }
+        if in_flight > 0 && span < latency - Duration::from_millis(50) {
+            checked += 1;
+            assert!(
+                !before.is_empty() || !after.is_empty(),
+                "{in_flight} calls in flight but no slot held"
+            );
+        }
+        if xlen(&mut b.conn, "{llm}:results").await >= 6 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "6 results within 30 s\n{}",
+            b.log()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        checked > 0,
+        "sampled at least once while a call was in flight"
+    );
+    assert!(max_keys >= 1);
+    let results = b.results(6).await;
+    assert!(results.values().all(|r| r["status"] == "ok"), "{results:?}");
+    let st = b.stats();
+    assert!(
+        st.max_in_flight as usize <= SLOTS,
+        "max in flight {}",
+        st.max_in_flight
+    );
+    assert!(
+        st.max_in_flight >= 2,
+        "calls ran concurrently: {}",
+        st.max_in_flight
+    );
+    // Released after each call, not only at shutdown.
+    let conn = &mut b.conn;
+    assert!(
+        wait_for(Duration::from_secs(2), || {
+            let mut c = conn.clone();
+            async move { slot_keys(&mut c, "llm").await.is_empty() }
+        })
+        .await,
+        "slots released once the calls ended"
+    );
+    b.shutdown().await;
+}

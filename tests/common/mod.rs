@@ -263,6 +263,22 @@ max_retry_after_ms = 2000
         )
     }
 
+    /// A config for tests that need no running Redis or provider (config errors, CLI):
+    /// `redis_url` should point at a port of the test's own (never 6379).
+    pub fn with_urls(redis_url: &str, sim: SocketAddr) -> TestConfig {
+        TestConfig {
+            redis_url: redis_url.to_string(),
+            sim,
+            namespace: "llm".into(),
+            slots: 4,
+            concurrency: 16,
+            ttl_ms: 3000,
+            grace_ms: 3000,
+            listen: String::new(),
+            extra: String::new(),
+        }
+    }
+
     pub fn write(&self, dir: &Path, name: &str) -> PathBuf {
         let p = dir.join(name);
         std::fs::write(&p, self.toml()).expect("write config");
@@ -293,7 +309,7 @@ impl WorkerProc {
         let log = std::fs::File::create(&log_path).expect("log file");
         let mut cmd = Command::new(bin());
         cmd.arg("--config").arg(config).arg("run");
-        cmd.env_remove("RUST_LOG");
+        scrub_env(&mut cmd);
         cmd.env("LLM_WORKER__QUEUE__CONSUMER", name);
         for (k, v) in env {
             cmd.env(k, v);
@@ -447,4 +463,170 @@ pub fn context<T>(r: Result<T>, workers: &[&WorkerProc]) -> Result<T> {
 fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Removes from a child's environment everything that could change its config or point it
+/// at another Redis (`LLM_WORKER__*`, `LLM_WORKER_CONFIG`, API keys, `RUST_LOG`): a child
+/// sees only what its test sets.
+pub fn scrub_env(cmd: &mut Command) {
+    for (k, _) in std::env::vars_os() {
+        let Some(k) = k.to_str() else { continue };
+        if k.starts_with("LLM_WORKER")
+            || k.ends_with("_API_KEY")
+            || k == "REDIS_PASSWORD"
+            || k == "RUST_LOG"
+        {
+            cmd.env_remove(k);
+        }
+    }
+}
+
+/// What a finished (or timed-out and killed) run of the binary printed.
+#[derive(Debug)]
+pub struct BinOutput {
+    /// Exit code; `None` if killed by a signal or by the timeout.
+    pub code: Option<i32>,
+    pub timed_out: bool,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl BinOutput {
+    /// stdout and stderr together, for assertion messages.
+    pub fn all(&self) -> String {
+        format!(
+            "exit {:?} (timed out: {})\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            self.code, self.timed_out, self.stdout, self.stderr
+        )
+    }
+}
+
+/// Runs the real binary with `args` and only the environment `env` on top of a scrubbed
+/// one ([`scrub_env`]); killed after `timeout`. Blocking: call it from
+/// `tokio::task::spawn_blocking` inside async tests.
+pub fn run_bin(args: &[&str], env: &[(&str, &str)], timeout: Duration) -> BinOutput {
+    let mut cmd = Command::new(bin());
+    cmd.args(args);
+    scrub_env(&mut cmd);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn llm-worker");
+    let read = |r: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut s);
+            }
+            String::from_utf8_lossy(&s).into_owned()
+        })
+    };
+    let out = read(
+        child
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+    );
+    let err = read(
+        child
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+    );
+    let deadline = Instant::now() + timeout;
+    let (status, timed_out) = loop {
+        if let Ok(Some(s)) = child.try_wait() {
+            break (Some(s), false);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            break (child.wait().ok(), true);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    BinOutput {
+        code: if timed_out {
+            None
+        } else {
+            status.and_then(|s| s.code())
+        },
+        timed_out,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }
+}
+
+/// [`run_bin`] on a blocking thread, for async tests.
+pub async fn run_bin_async(args: &[&str], env: &[(&str, &str)], timeout: Duration) -> BinOutput {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        run_bin(&args, &env, timeout)
+    })
+    .await
+    .expect("run_bin thread")
+}
+
+/// Appends one job entry with arbitrary fields and raw (possibly non-UTF-8) values.
+pub async fn push_fields(
+    conn: &mut redis::aio::MultiplexedConnection,
+    ns: &str,
+    fields: &[(&str, &[u8])],
+) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(key(ns, "jobs")).arg("*");
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query_async(conn).await.expect("xadd")
+}
+
+/// Every entry of a stream as (entry id, fields as raw bytes).
+pub async fn entries_raw(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+) -> Vec<(String, HashMap<String, Vec<u8>>)> {
+    let r: redis::streams::StreamRangeReply = conn.xrange_all(stream).await.expect("xrange");
+    r.ids
+        .into_iter()
+        .map(|e| {
+            let m = e
+                .map
+                .into_iter()
+                .map(|(k, v)| (k, redis::from_redis_value::<Vec<u8>>(v).unwrap_or_default()))
+                .collect();
+            (e.id, m)
+        })
+        .collect()
+}
+
+/// Number of pending entries of `group` on `stream`.
+pub async fn pending_count(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    group: &str,
+) -> i64 {
+    let v: redis::Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .query_async(conn)
+        .await
+        .expect("xpending");
+    match v {
+        redis::Value::Array(a) => match a.first() {
+            Some(redis::Value::Int(n)) => *n,
+            other => panic!("unexpected XPENDING reply {other:?}"),
+        },
+        other => panic!("unexpected XPENDING reply {other:?}"),
+    }
 }
