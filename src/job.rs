@@ -170,6 +170,17 @@ pub fn parse(
     })
 }
 
+/// The producer's `id` from a payload that failed validation, if it has a usable one
+/// (a JSON object whose `id` is a non-empty string of at most 512 bytes, or a number).
+pub fn salvage_id(payload: Option<&[u8]>) -> Option<String> {
+    let v: Value = serde_json::from_slice(payload?).ok()?;
+    match v.get("id")? {
+        Value::String(s) if !s.is_empty() && s.len() <= 512 => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
 /// The ordered models for a job: its own `model` first (if any), then its route's.
 pub fn model_order(job: &Job, cfg: &Config) -> Vec<String> {
     let mut out: Vec<String> = job.model.iter().cloned().collect();
@@ -181,4 +192,130 @@ pub fn model_order(job: &Job, cfg: &Config) -> Vec<String> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg() -> Config {
+        Config::from_toml_str(
+            r#"
+[pools.default]
+slots = 2
+[providers.p]
+base_url = "http://127.0.0.1:1/v1"
+[models.a]
+provider = "p"
+input_per_mtok = 1
+output_per_mtok = 1
+context_window = 100
+[models.b]
+provider = "p"
+input_per_mtok = 1
+output_per_mtok = 1
+context_window = 100
+[routes]
+default = ["a", "b"]
+alt = ["b"]
+"#,
+            &HashMap::new(),
+        )
+        .unwrap()
+    }
+
+    fn p(s: &str) -> Result<Job, JobError> {
+        parse(Some(s.as_bytes()), "1-0", 1000, &cfg())
+    }
+
+    #[test]
+    fn valid_job() {
+        let j = p(r#"{"messages":[{"role":"user","content":"hi"}],"id":"x","metadata":{"k":1},"top_p":1}"#).unwrap();
+        assert_eq!(j.id, "x");
+        assert_eq!(j.route, "default");
+        assert_eq!(j.metadata, Some(serde_json::json!({"k":1})));
+        assert!(j.body.contains_key("top_p"));
+        let j = p(r#"{"messages":[{"role":"user","content":"hi"}],"model":"b","route":"default"}"#)
+            .unwrap();
+        assert_eq!(j.id, "1-0", "entry id when no id");
+        assert_eq!(model_order(&j, &cfg()), vec!["b", "a"]);
+    }
+
+    #[test]
+    fn each_error_names_the_problem() {
+        let cases = [
+            ("not json", "not JSON"),
+            ("[1]", "must be a JSON object, got an array"),
+            (r#"{}"#, "`messages` is missing"),
+            (r#"{"messages":[]}"#, "non-empty array"),
+            (
+                r#"{"messages":"hi"}"#,
+                "`messages` must be an array, got a string",
+            ),
+            (r#"{"messages":[1]}"#, "`messages[0]` must be an object"),
+            (
+                r#"{"messages":[{"content":"x"}]}"#,
+                "`messages[0].role` is missing",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":5}]}"#,
+                "`messages[0].content`",
+            ),
+            (
+                r#"{"messages":[{"role":"user"}],"model":5}"#,
+                "`model` must be a string",
+            ),
+            (
+                r#"{"messages":[{"role":"user"}],"model":"zzz"}"#,
+                "unknown model `zzz`",
+            ),
+            (
+                r#"{"messages":[{"role":"user"}],"route":"zzz"}"#,
+                "unknown route `zzz`",
+            ),
+            (
+                r#"{"messages":[{"role":"user"}],"max_tokens":-1}"#,
+                "`max_tokens` must be a positive integer",
+            ),
+            (
+                r#"{"messages":[{"role":"user"}],"temperature":"hot"}"#,
+                "`temperature` must be a number",
+            ),
+            (
+                r#"{"messages":[{"role":"user"}],"id":""}"#,
+                "`id` must not be empty",
+            ),
+        ];
+        for (input, want) in cases {
+            let e = p(input).unwrap_err().to_string();
+            assert!(e.contains(want), "{input}: {e}");
+            assert!(!e.contains('\n'));
+        }
+        let big = "x".repeat(2000);
+        assert!(matches!(
+            p(&big),
+            Err(JobError::TooLarge {
+                size: 2000,
+                limit: 1000
+            })
+        ));
+        assert_eq!(
+            parse(Some(b"\xff\xfe"), "1-0", 1000, &cfg()),
+            Err(JobError::NotUtf8(0))
+        );
+        assert_eq!(parse(None, "1-0", 1000, &cfg()), Err(JobError::NoPayload));
+    }
+
+    #[test]
+    fn salvages_the_id_of_an_invalid_job() {
+        assert_eq!(
+            salvage_id(Some(br#"{"id":"j-1","messages":[]}"#)),
+            Some("j-1".into())
+        );
+        assert_eq!(salvage_id(Some(br#"{"id":7}"#)), Some("7".into()));
+        assert_eq!(salvage_id(Some(br#"{"id":""}"#)), None);
+        assert_eq!(salvage_id(Some(b"garbage")), None);
+        assert_eq!(salvage_id(None), None);
+    }
 }

@@ -245,9 +245,13 @@ async fn real_main(
             sim::run_cli(a, token).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Some(Cmd::Demo(a)) => {
-            let code = demo::run(a, cli.config.as_deref(), &env).await?;
-            Ok(ExitCode::from(code))
-        }
+        Some(Cmd::Demo(a)) => match demo::run(a, cli.config.as_deref(), &env).await {
+            Ok(code) => Ok(ExitCode::from(code)),
+            Err(demo::DemoError::Config(e)) => {
+                eprintln!("{e}");
+                Ok(ExitCode::from(2))
+            }
+            Err(e) => Err(e.into()),
+        },
     }
 }

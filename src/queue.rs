@@ -3,7 +3,9 @@
 //!
 //! Invariants:
 //! - every key carries the `{namespace}` hash tag (one Cluster slot per queue);
-//! - a job entry is acknowledged only by `lua/commit.lua`, in the same step as its result;
+//! - a job entry is acknowledged only by `lua/commit.lua`, in the same step as its result
+//!   (one exception: an entry deleted from the stream while pending has no payload left to
+//!   process; [`Queue::reclaim`] acknowledges it and the worker logs and counts it);
 //! - a commit for an entry that is no longer pending writes nothing (no second result).
 
 use crate::config::Config;

@@ -460,7 +460,9 @@ impl Worker {
             Ok(j) => j,
             Err(e) => {
                 tracing::warn!(entry = %d.entry_id, reason = %e, "invalid job; dead-lettered");
-                return Some(self.reject(d, None, "invalid", &e.to_string(), started));
+                // Keep the producer's id when it can be read, so it can find this result.
+                let id = job::salvage_id(d.payload.as_deref());
+                return Some(self.reject(d, id.as_deref(), "invalid", &e.to_string(), started));
             }
         };
         if d.deliveries > self.cfg.queue.max_deliveries {
