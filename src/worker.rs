@@ -339,6 +339,7 @@ impl Worker {
             _ = abort.cancelled() => {
                 tracing::info!(entry = %d.entry_id, "job cancelled by shutdown; left pending for another worker");
                 metrics::counter!("llm_worker_jobs_abandoned_total").increment(1);
+                lock(&self.active).remove(&d.entry_id);
                 return;
             }
         };

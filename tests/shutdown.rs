@@ -1,0 +1,394 @@
+//! Clean shutdown on SIGTERM/SIGINT (issue 3), on the real binary, a real redis-server
+//! and the simulated provider: drain within the grace, cancel the rest (left pending),
+//! release every slot, exit 0; a second signal skips the grace; /ready turns 503 at once.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::SimOptions;
+use redis::AsyncCommands;
+use std::collections::HashSet;
+use std::process::ExitStatus;
+use std::time::{Duration, Instant};
+
+type Conn = redis::aio::MultiplexedConnection;
+
+/// Waits for the process to exit without blocking the runtime (the sim runs in it).
+async fn wait_exit(w: &mut WorkerProc, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(Some(s)) = w.child.try_wait() {
+            return Some(s);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Entries of `{llm}:jobs` delivered to a consumer and not acknowledged.
+async fn pending(conn: &mut Conn) -> u64 {
+    let v: redis::Value = redis::cmd("XPENDING")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .query_async(conn)
+        .await
+        .expect("xpending");
+    match v {
+        redis::Value::Array(a) => match a.first() {
+            Some(redis::Value::Int(n)) => *n as u64,
+            _ => 0,
+        },
+        _ => 0,
+    }
+}
+
+async fn in_flight_at_least(sim: &SimHandle, n: u64, timeout: Duration) -> bool {
+    wait_for(timeout, || async { sim.sim.stats().in_flight >= n }).await
+}
+
+fn jobs(prefix: &str, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| job(&format!("{prefix}-{i}"), "hi"))
+        .collect()
+}
+
+/// Every result `ok`, every job id at most once; returns the ids.
+async fn ok_results_once(conn: &mut Conn) -> HashSet<String> {
+    let results = entries(conn, "{llm}:results").await;
+    let ids: HashSet<String> = results.iter().map(|(_, r)| r["job_id"].clone()).collect();
+    assert_eq!(ids.len(), results.len(), "nothing acknowledged twice");
+    for (_, r) in &results {
+        assert_eq!(r["status"], "ok", "{r:?}");
+    }
+    ids
+}
+
+/// Signal `sig` while 8 jobs are taken (4 calls running, 4 waiting for a slot), each
+/// call 600 ms, grace 5 s: all 8 finish inside the grace and are written; the 4 jobs not
+/// yet taken stay in the stream, untouched.
+async fn drains_in_flight_jobs_on(sig: &str) -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 600,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 8;
+    tc.grace_ms = 5000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &jobs("job", 12)).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let busy = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        let sim = sim.sim.clone();
+        async move { sim.stats().in_flight == 4 && pending(&mut c).await == 8 }
+    })
+    .await;
+    assert!(busy, "8 jobs taken, 4 calls running\n{}", w.log());
+    w.signal(sig);
+    let sent = Instant::now();
+    let status = wait_exit(&mut w, Duration::from_millis(tc.grace_ms + 2000)).await;
+    let took = sent.elapsed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean exit 0 within grace + 2 s: {status:?}\n{}",
+        w.log()
+    );
+    eprintln!("{sig}: drained and exited in {took:?}");
+    let ids = ok_results_once(&mut conn).await;
+    assert_eq!(
+        ids.len(),
+        8,
+        "every in-flight job's result written\n{}",
+        w.log()
+    );
+    assert_eq!(pending(&mut conn).await, 0, "nothing left pending");
+    assert_eq!(
+        xlen(&mut conn, "{llm}:jobs").await,
+        4,
+        "no job taken after the signal"
+    );
+    assert!(
+        slot_keys(&mut conn, "llm").await.is_empty(),
+        "no slot key left"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_flight_finishes_jobs_inside_grace() -> anyhow::Result<()> {
+    drains_in_flight_jobs_on(libc_sig::TERM).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_behaves_as_sigterm() -> anyhow::Result<()> {
+    drains_in_flight_jobs_on(libc_sig::INT).await
+}
+
+/// Calls of 5 s, grace 1 s: SIGTERM cancels them after the grace and leaves their jobs
+/// pending; a second worker then takes them over (XAUTOCLAIM) and completes them, each
+/// exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_calls_longer_than_grace_leaves_jobs_pending_for_another_worker()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 5000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 4;
+    tc.grace_ms = 1000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &jobs("job", 4)).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&sim, 4, Duration::from_secs(10)).await,
+        "4 calls running\n{}",
+        w.log()
+    );
+    w.signal(libc_sig::TERM);
+    let sent = Instant::now();
+    let status = wait_exit(&mut w, Duration::from_millis(tc.grace_ms + 2000)).await;
+    let took = sent.elapsed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit 0 within grace + 2 s: {status:?}\n{}",
+        w.log()
+    );
+    eprintln!("SIGTERM with calls longer than the grace: exited in {took:?}");
+    assert!(
+        took >= Duration::from_millis(tc.grace_ms),
+        "the grace was given"
+    );
+    assert!(
+        slot_keys(&mut conn, "llm").await.is_empty(),
+        "no slot key left"
+    );
+    assert_eq!(
+        xlen(&mut conn, "{llm}:results").await,
+        0,
+        "no result for cancelled jobs"
+    );
+    assert_eq!(
+        pending(&mut conn).await,
+        4,
+        "the unfinished jobs stay pending"
+    );
+    // A second worker takes the abandoned jobs over once they have been idle long enough.
+    sim.sim.set_options(SimOptions {
+        latency_ms: 10,
+        ..SimOptions::default()
+    });
+    let mut w2 = WorkerProc::spawn(&cfg, "w2", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "200")]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 4, Duration::from_secs(15)).await,
+        &[&w2],
+    )?;
+    let ids = ok_results_once(&mut conn).await;
+    assert_eq!(ids.len(), 4);
+    assert_eq!(pending(&mut conn).await, 0);
+    for (_, r) in entries(&mut conn, "{llm}:results").await {
+        assert_eq!(r["worker"], "w2");
+    }
+    w2.signal(libc_sig::TERM);
+    let status = wait_exit(&mut w2, Duration::from_secs(6)).await;
+    assert!(status.is_some_and(|s| s.success()), "{}", w2.log());
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_signal_skips_the_grace() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 10_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 2;
+    tc.grace_ms = 20_000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &jobs("job", 2)).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&sim, 2, Duration::from_secs(10)).await,
+        "{}",
+        w.log()
+    );
+    w.signal(libc_sig::TERM);
+    let draining = wait_for(Duration::from_secs(5), || async {
+        w.log().contains("draining in-flight jobs")
+    })
+    .await;
+    assert!(draining, "first signal seen\n{}", w.log());
+    assert!(w.child.try_wait()?.is_none(), "still draining");
+    w.signal(libc_sig::TERM);
+    let sent = Instant::now();
+    let status = wait_exit(&mut w, Duration::from_secs(1)).await;
+    let took = sent.elapsed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "second signal: exit 0 within 1 s ({took:?}): {status:?}\n{}",
+        w.log()
+    );
+    eprintln!("second SIGTERM: exited in {took:?}");
+    assert!(
+        slot_keys(&mut conn, "llm").await.is_empty(),
+        "no slot key left"
+    );
+    assert_eq!(
+        pending(&mut conn).await,
+        2,
+        "the cancelled jobs stay pending"
+    );
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
+    Ok(())
+}
+
+async fn http_status(url: &str) -> Option<u16> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(500))
+        .build()
+        .ok()?;
+    client
+        .get(url)
+        .send()
+        .await
+        .ok()
+        .map(|r| r.status().as_u16())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_turns_503_at_once_on_sigterm_while_draining() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 2000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 2;
+    tc.grace_ms = 10_000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let ready = format!("http://{listen}/ready");
+    let health = format!("http://{listen}/health");
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[("LLM_WORKER__SERVER__LISTEN", &listen)]);
+    let up = wait_for(Duration::from_secs(10), || async {
+        http_status(&ready).await == Some(200)
+    })
+    .await;
+    assert!(up, "/ready 200 while taking jobs\n{}", w.log());
+    push(&mut conn, "llm", &jobs("job", 2)).await;
+    assert!(
+        in_flight_at_least(&sim, 2, Duration::from_secs(10)).await,
+        "{}",
+        w.log()
+    );
+    w.signal(libc_sig::TERM);
+    let sent = Instant::now();
+    let not_ready = wait_for(Duration::from_millis(500), || async {
+        http_status(&ready).await == Some(503)
+    })
+    .await;
+    let took = sent.elapsed();
+    assert!(
+        not_ready,
+        "/ready 503 within 500 ms of SIGTERM\n{}",
+        w.log()
+    );
+    eprintln!("/ready turned 503 {took:?} after SIGTERM");
+    assert!(w.child.try_wait()?.is_none(), "still draining");
+    assert_eq!(sim.sim.stats().in_flight, 2, "the calls still run");
+    assert_eq!(
+        http_status(&health).await,
+        Some(200),
+        "/health stays 200 while the process runs"
+    );
+    let status = wait_exit(&mut w, Duration::from_secs(6)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "drained and exited 0: {status:?}\n{}",
+        w.log()
+    );
+    assert_eq!(ok_results_once(&mut conn).await.len(), 2);
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_while_waiting_for_a_slot() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 2;
+    tc.concurrency = 2;
+    tc.grace_ms = 1000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // Another process holds every slot (its token, a long lease).
+    let other = "other-host-1:0badc0de";
+    for i in 0..2 {
+        let _: () = redis::cmd("SET")
+            .arg(format!("{{llm}}:slot:default:{i}"))
+            .arg(other)
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut conn)
+            .await?;
+    }
+    push(&mut conn, "llm", &jobs("job", 2)).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let queued = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move {
+            let q: Vec<String> = c
+                .zrange("{llm}:slotq:default", 0, -1)
+                .await
+                .unwrap_or_default();
+            q.iter().any(|t| t.starts_with("w1:"))
+        }
+    })
+    .await;
+    assert!(queued, "the worker waits for a slot\n{}", w.log());
+    assert_eq!(pending(&mut conn).await, 2);
+    w.signal(libc_sig::TERM);
+    let sent = Instant::now();
+    let status = wait_exit(&mut w, Duration::from_millis(tc.grace_ms + 2000)).await;
+    let took = sent.elapsed();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit 0 within grace + 2 s ({took:?}): {status:?}\n{}",
+        w.log()
+    );
+    eprintln!("shutdown while waiting for a slot: exited in {took:?}");
+    assert_eq!(sim.sim.stats().max_in_flight, 0, "no call without a slot");
+    for i in 0..2 {
+        let v: Option<String> = conn.get(format!("{{llm}}:slot:default:{i}")).await?;
+        assert_eq!(
+            v.as_deref(),
+            Some(other),
+            "the other holder's slot is untouched"
+        );
+    }
+    let q: Vec<String> = conn.zrange("{llm}:slotq:default", 0, -1).await?;
+    assert!(q.is_empty(), "left the waiter queue: {q:?}");
+    assert_eq!(pending(&mut conn).await, 2, "the jobs stay pending");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
+    Ok(())
+}
