@@ -22,7 +22,9 @@ as_root() {
 # install (the same mechanism Debian's container images use). The package stays installed
 # and its service may start at the next boot: `systemctl disable redis-server` if unwanted.
 ensure_redis_server() {
-    if command -v redis-server >/dev/null 2>&1; then
+    # openssl makes the certificates of the TLS test (rediss://); it is small and usually
+    # there already.
+    if command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1; then
         return 0
     fi
     if ! command -v apt-get >/dev/null 2>&1; then
@@ -30,7 +32,7 @@ ensure_redis_server() {
         echo "       install Redis >= 6.2 (redis-server) with your package manager and re-run" >&2
         return 1
     fi
-    echo "==> redis-server not found: installing Debian's redis-server package"
+    echo "==> redis-server or openssl not found: installing Debian's redis-server and openssl packages"
     local policy=/usr/sbin/policy-rc.d added_policy=0
     if [ ! -e "$policy" ]; then
         as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
@@ -41,7 +43,7 @@ ensure_redis_server() {
     local rc=0
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -q || rc=$?
     if [ "$rc" -eq 0 ]; then
-        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server || rc=$?
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server openssl || rc=$?
     fi
     if [ "$added_policy" -eq 1 ]; then
         as_root rm -f "$policy"

@@ -67,6 +67,9 @@ pub struct RedisConfig {
     pub url: String,
     /// Environment variable holding the Redis password (used when set and non-empty).
     pub password_env: String,
+    /// PEM file of the CA that signed the server's certificate, for `rediss://` with a
+    /// private CA. Empty = the public web roots.
+    pub tls_ca_file: String,
     /// Filled by validation from `password_env`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub password: Option<Secret>,
@@ -196,6 +199,7 @@ impl Default for RedisConfig {
         RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             password_env: "REDIS_PASSWORD".into(),
+            tls_ca_file: String::new(),
             password: None,
         }
     }
@@ -625,6 +629,18 @@ impl Config {
                 redact_url_password(url)
             ),
         )?;
+        if !self.redis.tls_ca_file.is_empty() {
+            require(
+                url.starts_with("rediss://"),
+                "redis.tls_ca_file",
+                "is only used with a rediss:// url",
+            )?;
+            require(
+                std::fs::metadata(&self.redis.tls_ca_file).is_ok_and(|m| m.is_file()),
+                "redis.tls_ca_file",
+                format!("cannot read {:?}", self.redis.tls_ca_file),
+            )?;
+        }
         // The password is optional: a missing variable means "no password" (local Redis).
         if !self.redis.password_env.is_empty()
             && let Some(pw) = env.get(&self.redis.password_env)

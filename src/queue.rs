@@ -86,24 +86,47 @@ pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, QueueError> {
         .as_str()
         .into_connection_info()
         .map_err(|e| QueueError::Url(e.to_string()))?;
-    Ok(match &cfg.redis.password {
+    let info = match &cfg.redis.password {
         Some(pw) => {
             let settings = info.redis_settings().clone().set_password(pw.expose());
             info.set_redis_settings(settings)
         }
         None => info,
-    })
+    };
+    if cfg.redis.tls_ca_file.is_empty() {
+        return Ok(info);
+    }
+    // A private CA: the TLS parameters travel inside the connection info, so every
+    // connection (pool, blocking, tools) trusts it.
+    let ca = std::fs::read(&cfg.redis.tls_ca_file).map_err(|e| {
+        QueueError::Url(format!(
+            "redis.tls_ca_file {:?}: {e}",
+            cfg.redis.tls_ca_file
+        ))
+    })?;
+    let client = redis::Client::build_with_tls(
+        info,
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca),
+        },
+    )?;
+    Ok(client.get_connection_info().clone())
 }
 
 /// A pool for ordinary (non-blocking) commands.
 pub fn command_pool(cfg: &Config, size: usize) -> Result<deadpool_redis::Pool, QueueError> {
-    let mut pc = deadpool_redis::Config::from_connection_info(connection_info(cfg)?);
+    // The manager is built from our ConnectionInfo directly (not deadpool's serialisable
+    // config), so TLS parameters (a private CA) reach every pooled connection.
+    let manager = deadpool_redis::Manager::new(connection_info(cfg)?)?;
     let mut pool_cfg = deadpool_redis::PoolConfig::new(size.max(4));
     pool_cfg.timeouts.wait = Some(Duration::from_secs(5));
     pool_cfg.timeouts.create = Some(Duration::from_secs(2));
     pool_cfg.timeouts.recycle = Some(Duration::from_secs(2));
-    pc.pool = Some(pool_cfg);
-    pc.create_pool(Some(deadpool_redis::Runtime::Tokio1))
+    deadpool_redis::Pool::builder(manager)
+        .config(pool_cfg)
+        .runtime(deadpool_redis::Runtime::Tokio1)
+        .build()
         .map_err(|e| QueueError::Url(e.to_string()))
 }
 
