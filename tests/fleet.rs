@@ -583,3 +583,80 @@ async fn sixteen_contenders_on_four_slots_across_two_processes() -> anyhow::Resu
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }
+
+/// A busy primary sends work to the fallback: m1's pool stays full (held by another
+/// process) past `slots.acquire_timeout_ms`, so the job runs on m2, whose pool has a
+/// free slot, without ever calling m1; and when m1's pool frees up, jobs go back to m1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_pool_sends_work_to_a_fallback_model_with_a_free_slot() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 10,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.extra = "\n[pools.b]\nslots = 2\n".into();
+    let dir = tempfile::tempdir()?;
+    let cfg_path = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // Another process holds the only slot of pool `default` (m1) for 60 s.
+    let _: () = redis::cmd("SET")
+        .arg("{llm}:poolsize:default")
+        .arg(1)
+        .query_async(&mut conn)
+        .await?;
+    let _: () = redis::cmd("SET")
+        .arg("{llm}:slot:default:0")
+        .arg("other-host:beef")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut conn)
+        .await?;
+    let env = [
+        ("LLM_WORKER__MODELS__M2__POOL", "b"),
+        ("LLM_WORKER__SLOTS__ACQUIRE_TIMEOUT_MS", "300"),
+    ];
+    let mut w = WorkerProc::spawn(&cfg_path, "w1", &env);
+    push(
+        &mut conn,
+        "llm",
+        &[job("busy-1", "hello"), job("busy-2", "again")],
+    )
+    .await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    for (_, r) in entries(&mut conn, "{llm}:results").await {
+        assert_eq!(r["status"], "ok", "{r:?}");
+        assert_eq!(r["model"], "m2", "{r:?}");
+        assert_eq!(r["tried"], "m2", "m1 was never called: {r:?}");
+        let latency: u64 = r["latency_ms"].parse()?;
+        assert!(
+            latency >= 300,
+            "waited the acquire timeout first: {latency}"
+        );
+    }
+    let stats = sim.sim.stats();
+    assert!(!stats.requests.contains_key("m1"), "{stats:?}");
+    // The other holder's slot was never touched.
+    let v: Option<String> = conn.get("{llm}:slot:default:0").await?;
+    assert_eq!(v.as_deref(), Some("other-host:beef"));
+    // Pool frees up: the next job runs on its first choice again.
+    let _: () = conn.del("{llm}:slot:default:0").await?;
+    push(&mut conn, "llm", &[job("free-1", "now m1")]).await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 3, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let all = entries(&mut conn, "{llm}:results").await;
+    let last = &all.last().expect("3 results").1;
+    assert_eq!(last["model"], "m1", "{last:?}");
+    w.signal(libc_sig::TERM);
+    let status = w.wait_timeout(Duration::from_secs(10)).expect("exit");
+    assert!(status.success(), "{}", w.log());
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
