@@ -1,0 +1,792 @@
+//! Nothing lost, nothing paid twice: crash recovery, dead letters, Redis outages and bad
+//! input, on the real binary, a real redis-server and the simulated provider over HTTP.
+//!
+//! Every wait is bounded; blocking process control (SIGKILL + wait, redis-server stop and
+//! restart) runs in `block_in_place` so the in-process sim keeps answering meanwhile.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::{Fault, Rule, SimOptions};
+use rust_decimal::Decimal;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+type Entries = Vec<(String, HashMap<String, String>)>;
+
+fn always(model: &str, fault: Fault) -> Rule {
+    Rule {
+        model: model.into(),
+        fault,
+        probability: 1.0,
+        first_n: None,
+    }
+}
+
+/// SIGKILL and reap (bounded); panics if the process does not die.
+fn kill9(w: &mut WorkerProc) {
+    tokio::task::block_in_place(|| {
+        w.signal(libc_sig::KILL);
+        assert!(
+            w.wait_timeout(Duration::from_secs(5)).is_some(),
+            "worker did not die on SIGKILL"
+        );
+    });
+}
+
+fn running(w: &mut WorkerProc) -> bool {
+    matches!(w.child.try_wait(), Ok(None))
+}
+
+fn sim_calls(sim: &SimHandle, job_id: &str) -> u64 {
+    sim.sim
+        .stats()
+        .calls_per_job
+        .get(job_id)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Results grouped by `job_id`.
+fn by_job(results: &Entries) -> BTreeMap<String, Vec<&HashMap<String, String>>> {
+    let mut m: BTreeMap<String, Vec<&HashMap<String, String>>> = BTreeMap::new();
+    for (_, r) in results {
+        m.entry(r.get("job_id").cloned().unwrap_or_default())
+            .or_default()
+            .push(r);
+    }
+    m
+}
+
+/// Entry ids pending in the group, optionally only those of one consumer (empty when
+/// Redis does not answer).
+async fn pending_entries(
+    conn: &mut redis::aio::MultiplexedConnection,
+    consumer: Option<&str>,
+) -> Vec<String> {
+    let mut cmd = redis::cmd("XPENDING");
+    cmd.arg("{llm}:jobs")
+        .arg("workers")
+        .arg("-")
+        .arg("+")
+        .arg(100_000);
+    if let Some(c) = consumer {
+        cmd.arg(c);
+    }
+    let r: Result<Vec<(String, String, u64, u64)>, _> = cmd.query_async(conn).await;
+    r.map(|v| v.into_iter().map(|(id, ..)| id).collect())
+        .unwrap_or_default()
+}
+
+fn logs(workers: &[&WorkerProc]) -> String {
+    workers
+        .iter()
+        .map(|w| {
+            let log = w.log();
+            let lines: Vec<&str> = log.lines().collect();
+            format!(
+                "--- {} ---\n{}",
+                w.log_path.display(),
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+// ---------------------------------------------------------------------------------------
+// Chaos: 4 workers, 1,000 jobs, a SIGKILL every 2 s, one Redis restart.
+
+const CHAOS_JOBS: usize = 1000;
+const CHAOS_WORKERS: usize = 4;
+const CHAOS_CONCURRENCY: usize = 4;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
+    let started = Instant::now();
+    let mut redis = RedisServer::start_opts(true);
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 50,
+        jitter_ms: 250,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 8;
+    tc.ttl_ms = 2000;
+    tc.concurrency = CHAOS_CONCURRENCY;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "chaos.toml");
+    let env = [
+        ("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1500"),
+        ("LLM_WORKER__QUEUE__MAX_DELIVERIES", "10"),
+    ];
+    let mut conn = redis.conn().await;
+    let ids: Vec<String> = (0..CHAOS_JOBS).map(|i| format!("chaos-{i}")).collect();
+    let payloads: Vec<String> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| job(id, &format!("chaos question {i} {}", "y".repeat(i % 13))))
+        .collect();
+    let entry_ids = push(&mut conn, "llm", &payloads).await;
+    let job_of: HashMap<String, String> = entry_ids.into_iter().zip(ids.clone()).collect();
+
+    let mut next = 0usize;
+    let spawn = |next: &mut usize| {
+        let name = format!("chaos-w{next}");
+        *next += 1;
+        let w = WorkerProc::spawn(&cfg, &name, &env);
+        (name, w)
+    };
+    let mut workers: Vec<(String, WorkerProc)> =
+        (0..CHAOS_WORKERS).map(|_| spawn(&mut next)).collect();
+    let mut dead_workers: Vec<WorkerProc> = vec![];
+    // Job ids a kill or the Redis restart may legitimately make us pay twice for: those
+    // pending under the victim when it died (frozen with SIGSTOP first, so the snapshot is
+    // exact), and everything pending when Redis went away.
+    let mut at_risk: BTreeSet<String> = BTreeSet::new();
+    let mut kills = 0usize;
+    let mut redis_down_for = None;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut last_kill = Instant::now();
+    loop {
+        if xlen(&mut conn, "{llm}:results").await >= CHAOS_JOBS as u64 || Instant::now() >= deadline
+        {
+            break;
+        }
+        if last_kill.elapsed() >= Duration::from_secs(2) {
+            last_kill = Instant::now();
+            let i = rand::random_range(0..workers.len());
+            let (name, mut w) = workers.swap_remove(i);
+            w.signal(libc_sig::STOP);
+            for e in pending_entries(&mut conn, Some(&name)).await {
+                at_risk.extend(job_of.get(&e).cloned());
+            }
+            kill9(&mut w);
+            kills += 1;
+            dead_workers.push(w);
+            workers.push(spawn(&mut next));
+            if kills == 3 && redis_down_for.is_none() {
+                // Once, mid-run: SIGTERM redis-server (AOF flushed), keep it away for 1 s,
+                // start it again on the same port; queue, pending entries and results survive.
+                let before = xlen(&mut conn, "{llm}:results").await;
+                for e in pending_entries(&mut conn, None).await {
+                    at_risk.extend(job_of.get(&e).cloned());
+                }
+                let t = Instant::now();
+                tokio::task::block_in_place(|| {
+                    redis.stop();
+                    std::thread::sleep(Duration::from_secs(1));
+                    redis.restart();
+                });
+                redis_down_for = Some(t.elapsed());
+                conn = redis.conn().await;
+                // Until the AOF is loaded Redis answers LOADING: wait for a real answer.
+                let mut after = None;
+                let mut last_err = None;
+                let until = Instant::now() + Duration::from_secs(10);
+                while after.is_none() && Instant::now() < until {
+                    let r: redis::RedisResult<u64> = redis::cmd("XLEN")
+                        .arg("{llm}:results")
+                        .query_async(&mut conn)
+                        .await;
+                    match r {
+                        Ok(n) => after = Some(n),
+                        Err(e) => {
+                            last_err = Some(e.to_string());
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+                let after = after.unwrap_or_else(|| panic!("Redis did not answer: {last_err:?}"));
+                println!("chaos: Redis restarted: {before} results before, {after} after");
+                assert!(
+                    after >= before,
+                    "results survived the restart ({before} before, {after} after)"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let run_time = started.elapsed();
+    // Nothing more may arrive (a second result would show up here).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let results = entries(&mut conn, "{llm}:results").await;
+    let dead = entries(&mut conn, "{llm}:dead").await;
+    let grouped = by_job(&results);
+    let dead_grouped = by_job(&dead);
+    let stats = sim.sim.stats();
+    let mut lost = vec![];
+    let mut doubled = vec![];
+    let mut bad_status = vec![];
+    let mut attempts_sum = 0u64;
+    for id in &ids {
+        match grouped.get(id).map(Vec::as_slice) {
+            None | Some([]) => lost.push(id.clone()),
+            Some([r]) => {
+                attempts_sum += r["attempts"].parse::<u64>().unwrap_or(0);
+                match r["status"].as_str() {
+                    "ok" => {}
+                    "dead" if dead_grouped.get(id).map(Vec::len) == Some(1) => {}
+                    _ => bad_status.push((*r).clone()),
+                }
+            }
+            Some(_) => doubled.push(id.clone()),
+        }
+    }
+    let calls_total: u64 = stats.calls_per_job.values().sum();
+    let dup_jobs: Vec<(&String, &u64)> = stats
+        .calls_per_job
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .collect();
+    let dup_calls: u64 = dup_jobs.iter().map(|(_, n)| **n - 1).sum();
+    let dead_count = grouped
+        .values()
+        .filter(|v| v.iter().any(|r| r["status"] == "dead"))
+        .count();
+    let pending = pending_count(&mut conn, "{llm}:jobs", "workers").await;
+    // A killed worker can have paid for at most `concurrency` calls it never committed; the
+    // one Redis restart can at worst make every worker's in-flight jobs look stalled once.
+    let bound = kills * CHAOS_CONCURRENCY + CHAOS_WORKERS * CHAOS_CONCURRENCY;
+    println!(
+        "chaos: jobs {CHAOS_JOBS}, kills {kills}, redis restarts 1 (down {:?}), results {}, \
+         dead letters {} ({dead_count} dead results), duplicates paid: {} jobs / {dup_calls} \
+         extra calls (bound {bound}; {} jobs were at risk), provider calls {calls_total} vs attempts in results \
+         {attempts_sum}, lost {}, doubled {}, run {:.1?}",
+        redis_down_for.unwrap_or_default(),
+        results.len(),
+        dead.len(),
+        dup_jobs.len(),
+        at_risk.len(),
+        lost.len(),
+        doubled.len(),
+        run_time,
+    );
+    let live: Vec<&WorkerProc> = workers.iter().map(|(_, w)| w).collect();
+    assert!(
+        redis_down_for.is_some(),
+        "the run ended before the Redis restart (kills {kills})"
+    );
+    assert!(
+        lost.is_empty(),
+        "lost {} jobs, e.g. {:?}\n{}",
+        lost.len(),
+        &lost[..lost.len().min(10)],
+        logs(&live)
+    );
+    assert!(doubled.is_empty(), "jobs with two results: {doubled:?}");
+    assert!(bad_status.is_empty(), "unexpected results: {bad_status:?}");
+    assert_eq!(results.len(), CHAOS_JOBS, "one result per job");
+    assert_eq!(pending, 0, "nothing left pending");
+    for id in &ids {
+        if grouped[id][0]["status"] == "ok" {
+            assert!(
+                stats.calls_per_job.get(id).copied().unwrap_or(0) >= 1,
+                "{id} has an ok result but no provider call"
+            );
+        }
+    }
+    assert_eq!(
+        calls_total - dup_calls,
+        stats.calls_per_job.len() as u64,
+        "calls are one per job plus the duplicates"
+    );
+    assert!(
+        dup_jobs.len() <= bound,
+        "{} jobs paid twice or more, more than {kills} kills x {CHAOS_CONCURRENCY} + one \
+         restart explain: {dup_jobs:?}",
+        dup_jobs.len()
+    );
+    let unexplained: Vec<&(&String, &u64)> = dup_jobs
+        .iter()
+        .filter(|(id, _)| !at_risk.contains(*id))
+        .collect();
+    assert!(
+        unexplained.is_empty(),
+        "jobs paid twice that no kill or restart explains: {unexplained:?}"
+    );
+    assert!(kills >= 5, "the run saw only {kills} kills");
+    drop(dead_workers);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Redis away for 10 s while calls are in flight.
+
+async fn ready_status(client: &reqwest::Client, port: u16) -> Option<u16> {
+    client
+        .get(format!("http://127.0.0.1:{port}/ready"))
+        .send()
+        .await
+        .ok()
+        .map(|r| r.status().as_u16())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_10s_workers_survive_and_finish_every_job() -> anyhow::Result<()> {
+    const JOBS: usize = 12;
+    let started = Instant::now();
+    let mut redis = RedisServer::start_opts(true);
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 1000,
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "down.toml");
+    let ports = [free_port(), free_port()];
+    let listens: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let mut workers: Vec<WorkerProc> = (0..2)
+        .map(|i| {
+            WorkerProc::spawn(
+                &cfg,
+                &format!("down-w{i}"),
+                &[("LLM_WORKER__SERVER__LISTEN", listens[i].as_str())],
+            )
+        })
+        .collect();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()?;
+    for &p in &ports {
+        assert!(
+            wait_for(Duration::from_secs(15), || async {
+                ready_status(&client, p).await == Some(200)
+            })
+            .await,
+            "/ready on {p} never 200 before the outage\n{}",
+            logs(&workers.iter().collect::<Vec<_>>())
+        );
+    }
+    let mut conn = redis.conn().await;
+    let ids: Vec<String> = (0..JOBS).map(|i| format!("down-{i}")).collect();
+    let payloads: Vec<String> = ids.iter().map(|id| job(id, id)).collect();
+    push(&mut conn, "llm", &payloads).await;
+    assert!(
+        wait_for(Duration::from_secs(10), || async {
+            sim.sim.stats().in_flight >= 2
+        })
+        .await,
+        "no calls in flight"
+    );
+
+    tokio::task::block_in_place(|| redis.stop());
+    let down_at = Instant::now();
+    let mut saw_503 = [false, false];
+    while down_at.elapsed() < Duration::from_secs(10) {
+        for (i, &p) in ports.iter().enumerate() {
+            match ready_status(&client, p).await {
+                Some(503) => saw_503[i] = true,
+                Some(200) if down_at.elapsed() > Duration::from_secs(3) => {
+                    panic!(
+                        "/ready on {p} says 200 {:?} into the outage",
+                        down_at.elapsed()
+                    )
+                }
+                _ => {}
+            }
+        }
+        for w in workers.iter_mut() {
+            assert!(
+                running(w),
+                "a worker exited while Redis was down\n{}",
+                w.log()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let in_flight_at_return = sim.sim.stats().in_flight;
+    tokio::task::block_in_place(|| redis.restart());
+    assert_eq!(saw_503, [true, true], "/ready was 503 while Redis was down");
+
+    let mut conn = redis.conn().await;
+    let waited = wait_len(
+        &mut conn,
+        "{llm}:results",
+        JOBS as u64,
+        Duration::from_secs(60),
+    )
+    .await;
+    context(waited, &workers.iter().collect::<Vec<_>>())?;
+    for &p in &ports {
+        assert!(
+            wait_for(Duration::from_secs(15), || async {
+                ready_status(&client, p).await == Some(200)
+            })
+            .await,
+            "/ready on {p} not 200 after Redis returned"
+        );
+    }
+    for w in workers.iter_mut() {
+        assert!(running(w), "a worker exited\n{}", w.log());
+    }
+    let results = entries(&mut conn, "{llm}:results").await;
+    let grouped = by_job(&results);
+    assert_eq!(results.len(), JOBS, "{results:?}");
+    let stats = sim.sim.stats();
+    for id in &ids {
+        let rs = &grouped[id];
+        assert_eq!(rs.len(), 1, "{id}: {rs:?}");
+        assert_eq!(rs[0]["status"], "ok", "{rs:?}");
+        // Results finished during the outage were held in memory and written afterwards:
+        // nobody called the model a second time.
+        assert_eq!(stats.calls_per_job.get(id), Some(&1), "{id}: {stats:?}");
+    }
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    // One line per state change, not one per retry.
+    for w in &workers {
+        let log = w.log();
+        let warn_lines = log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .count();
+        println!(
+            "redis_down_10s: {}: {} log lines, {warn_lines} WARN/ERROR",
+            w.log_path.display(),
+            log.lines().count()
+        );
+        let n = log.matches("Redis unreachable").count();
+        assert!(
+            (1..=3).contains(&n),
+            "{n} 'Redis unreachable' lines\n{}",
+            w.log()
+        );
+    }
+    println!(
+        "redis_down_10s: {JOBS} jobs ok, {in_flight_at_return} calls still in flight when \
+         Redis returned, run {:.1?}",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Poison: a job whose call hangs, its worker SIGKILLed every time.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_job_lands_in_dead_after_max_deliveries() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![always("m3", Fault::Hang)],
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "poison.toml");
+    let env = [
+        ("LLM_WORKER__QUEUE__MAX_DELIVERIES", "2"),
+        ("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "500"),
+    ];
+    let mut conn = redis.conn().await;
+    let payload = serde_json::json!({
+        "id": "poison-1",
+        "model": "m3",
+        "messages": [{"role": "user", "content": "this call never ends"}],
+    })
+    .to_string();
+    let entry = push(&mut conn, "llm", std::slice::from_ref(&payload)).await;
+
+    let mut killed = vec![];
+    for delivery in 1..=2u64 {
+        let mut w = WorkerProc::spawn(&cfg, &format!("poison-w{delivery}"), &env);
+        assert!(
+            wait_for(Duration::from_secs(15), || async {
+                sim_calls(&sim, "poison-1") >= delivery
+            })
+            .await,
+            "delivery {delivery}: no call started\n{}",
+            w.log()
+        );
+        kill9(&mut w);
+        killed.push(w);
+    }
+    let mut last = WorkerProc::spawn(&cfg, "poison-w3", &env);
+    let waited = wait_len(&mut conn, "{llm}:dead", 1, Duration::from_secs(15)).await;
+    context(waited, &[&last])?;
+
+    let dead = entries_raw(&mut conn, "{llm}:dead").await;
+    assert_eq!(dead.len(), 1);
+    let d = &dead[0].1;
+    let s =
+        |k: &str| String::from_utf8_lossy(d.get(k).map(Vec::as_slice).unwrap_or(b"")).into_owned();
+    assert_eq!(s("job_entry"), entry[0]);
+    assert_eq!(s("job_id"), "poison-1");
+    assert_eq!(s("deliveries"), "3");
+    assert!(s("reason").contains("max_deliveries"), "{}", s("reason"));
+    assert_eq!(d["payload"], payload.as_bytes(), "payload kept verbatim");
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    let r = &results[0].1;
+    assert_eq!(r["status"], "dead", "{r:?}");
+    assert_eq!(r["job_id"], "poison-1");
+    assert_eq!(r["job_entry"], entry[0]);
+    assert!(r["error"].contains("max_deliveries"), "{r:?}");
+    assert_eq!(r["cost_usd"], "0");
+    assert_eq!(r["worker"], "poison-w3");
+    // The last worker did not call the model again.
+    assert_eq!(sim_calls(&sim, "poison-1"), 2);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+
+    // The worker goes on: an ordinary job afterwards is processed.
+    push(&mut conn, "llm", &[job("after-poison", "hello")]).await;
+    let waited = wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(15)).await;
+    context(waited, &[&last])?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[1].1["status"], "ok", "{results:?}");
+    assert!(running(&mut last));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Duplicate ids: one model call, five acknowledged entries.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_ids_make_one_model_call_and_five_results() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 300,
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "dup.toml");
+    let w1 = WorkerProc::spawn(&cfg, "dup-w1", &[]);
+    let w2 = WorkerProc::spawn(&cfg, "dup-w2", &[]);
+    let mut conn = redis.conn().await;
+    // Let both workers reach their read loop, so the copies spread over both.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let p = job("same-id", "say it once");
+    // Three copies in one pipeline (concurrent), then two more while the call runs.
+    let mut entry_ids = push(&mut conn, "llm", &[p.clone(), p.clone(), p.clone()]).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    entry_ids.extend(push(&mut conn, "llm", std::slice::from_ref(&p)).await);
+    entry_ids.extend(push(&mut conn, "llm", std::slice::from_ref(&p)).await);
+    let waited = wait_len(&mut conn, "{llm}:results", 5, Duration::from_secs(20)).await;
+    context(waited, &[&w1, &w2])?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 5, "{results:?}");
+    assert_eq!(sim_calls(&sim, "same-id"), 1, "one model call");
+    let mut entries_seen: Vec<String> = results
+        .iter()
+        .map(|(_, r)| r["job_entry"].clone())
+        .collect();
+    entries_seen.sort();
+    entry_ids.sort();
+    assert_eq!(entries_seen, entry_ids, "one result per pushed entry");
+    let (originals, dups): (Vec<_>, Vec<_>) = results
+        .iter()
+        .partition(|(_, r)| !r.contains_key("duplicate_of"));
+    assert_eq!(originals.len(), 1, "{results:?}");
+    assert_eq!(dups.len(), 4, "{results:?}");
+    let (orig_id, orig) = originals[0];
+    assert_eq!(orig["status"], "ok");
+    assert!(
+        Decimal::from_str(&orig["cost_usd"])? > Decimal::ZERO,
+        "{orig:?}"
+    );
+    assert_eq!(orig["attempts"], "1");
+    for (_, r) in &dups {
+        assert_eq!(&r["duplicate_of"], orig_id, "{r:?}");
+        assert_eq!(r["cost_usd"], "0", "{r:?}");
+        assert_eq!(r["attempts"], "0", "{r:?}");
+        assert_eq!(r["status"], "ok", "{r:?}");
+        assert_eq!(r["job_id"], "same-id");
+        assert_eq!(
+            r["content"], orig["content"],
+            "duplicates repeat the answer"
+        );
+    }
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    assert_eq!(
+        xlen(&mut conn, "{llm}:jobs").await,
+        0,
+        "every copy acknowledged"
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// A call longer than claim_idle_ms is not taken over by the idle worker.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_call_is_not_stolen_by_an_idle_worker() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 3000,
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "long.toml");
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")];
+    let mut w1 = WorkerProc::spawn(&cfg, "long-w1", &env);
+    let mut w2 = WorkerProc::spawn(&cfg, "long-w2", &env);
+    let mut conn = redis.conn().await;
+    let entry = push(&mut conn, "llm", &[job("long-1", "take your time")]).await;
+    let waited = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await;
+    context(waited, &[&w1, &w2])?;
+    // A second call would have started while the first ran; give a late one time to show.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(sim_calls(&sim, "long-1"), 1, "one model call, not two");
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    let r = &results[0].1;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["job_entry"], entry[0]);
+    assert_eq!(r["attempts"], "1");
+    let latency: u64 = r["latency_ms"].parse()?;
+    assert!(
+        latency >= 3000,
+        "the call really outlived claim_idle_ms: {latency} ms"
+    );
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    assert!(running(&mut w1) && running(&mut w2));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad input from the provider and from producers.
+
+async fn next_result(
+    conn: &mut redis::aio::MultiplexedConnection,
+    n: u64,
+    w: &WorkerProc,
+) -> HashMap<String, String> {
+    let waited = wait_len(conn, "{llm}:results", n, Duration::from_secs(20)).await;
+    if let Err(e) = context(waited, &[w]) {
+        panic!("{e:#}");
+    }
+    let all = entries(conn, "{llm}:results").await;
+    assert_eq!(all.len() as u64, n, "{all:?}");
+    all[n as usize - 1].1.clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_garbage_truncated_and_no_usage_answers() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "bad.toml");
+    let w = WorkerProc::spawn(&cfg, "bad-w1", &[]);
+    let mut conn = redis.conn().await;
+
+    // 1. Garbage once on m1: retried on m1.
+    sim.sim.set_options(SimOptions {
+        rules: vec![Rule {
+            first_n: Some(1),
+            ..always("m1", Fault::Garbage)
+        }],
+        ..SimOptions::default()
+    });
+    push(&mut conn, "llm", &[job("garbage-once", "a")]).await;
+    let r = next_result(&mut conn, 1, &w).await;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m1", "{r:?}");
+    assert_eq!(r["attempts"], "2", "{r:?}");
+    assert_eq!(sim_calls(&sim, "garbage-once"), 2);
+
+    // 2. Garbage always on m1, truncated bodies always on m2: falls back to m3.
+    sim.sim.set_options(SimOptions {
+        rules: vec![always("m1", Fault::Garbage), always("m2", Fault::Truncated)],
+        ..SimOptions::default()
+    });
+    push(&mut conn, "llm", &[job("garbage-truncated", "b")]).await;
+    let r = next_result(&mut conn, 2, &w).await;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m3", "{r:?}");
+    assert_eq!(r["tried"], "m1,m2,m3", "{r:?}");
+    assert_eq!(r["attempts"], "7", "3 on m1, 3 on m2, 1 on m3: {r:?}");
+    assert_eq!(sim_calls(&sim, "garbage-truncated"), 7);
+
+    // 3. Garbage from every model: failed, with a reason saying so.
+    sim.sim.set_options(SimOptions {
+        rules: vec![always("*", Fault::Garbage)],
+        ..SimOptions::default()
+    });
+    push(&mut conn, "llm", &[job("all-garbage", "c")]).await;
+    let r = next_result(&mut conn, 3, &w).await;
+    assert_eq!(r["status"], "failed", "{r:?}");
+    assert!(r["error"].contains("not JSON"), "{r:?}");
+    assert!(!r["error"].contains('\n'), "one-line reason: {r:?}");
+    assert_eq!(r["tried"], "m1,m2,m3", "{r:?}");
+    assert_eq!(r["cost_usd"], "0", "{r:?}");
+    assert!(!r.contains_key("content"), "{r:?}");
+
+    // 4. A 200 without usage: ok, with a warning about the unknown cost.
+    sim.sim.set_options(SimOptions {
+        rules: vec![always("*", Fault::NoUsage)],
+        ..SimOptions::default()
+    });
+    push(&mut conn, "llm", &[job("no-usage", "d")]).await;
+    let r = next_result(&mut conn, 4, &w).await;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m1", "{r:?}");
+    let warning = r.get("warning").cloned().unwrap_or_default();
+    assert!(warning.contains("usage"), "{r:?}");
+    assert_eq!(r["cost_usd"], "0", "{r:?}");
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_payload_is_invalid_and_extra_field_is_a_warning() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "input.toml");
+    let w = WorkerProc::spawn(
+        &cfg,
+        "input-w1",
+        &[("LLM_WORKER__QUEUE__MAX_PAYLOAD_BYTES", "1000")],
+    );
+    let mut conn = redis.conn().await;
+
+    let big = job("too-big", &"z".repeat(2000 - job("too-big", "").len()));
+    assert_eq!(big.len(), 2000);
+    let entry = push(&mut conn, "llm", std::slice::from_ref(&big)).await;
+    let r = next_result(&mut conn, 1, &w).await;
+    assert_eq!(r["status"], "invalid", "{r:?}");
+    assert_eq!(r["job_entry"], entry[0]);
+    assert!(
+        r["error"].contains("1000") && r["error"].contains("max_payload_bytes"),
+        "{r:?}"
+    );
+    assert!(r["error"].contains("2000"), "{r:?}");
+    let dead = entries_raw(&mut conn, "{llm}:dead").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0].1["payload"],
+        big.as_bytes(),
+        "payload kept verbatim"
+    );
+    let reason = String::from_utf8_lossy(&dead[0].1["reason"]).into_owned();
+    assert!(reason.contains("max_payload_bytes"), "{reason}");
+    assert_eq!(sim.sim.stats().calls_per_job.len(), 0, "no model call");
+
+    let ok = job("extra-field", "hello");
+    push_fields(
+        &mut conn,
+        "llm",
+        &[("payload", ok.as_bytes()), ("priority", b"high")],
+    )
+    .await;
+    let r = next_result(&mut conn, 2, &w).await;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["job_id"], "extra-field");
+    let warning = r.get("warning").cloned().unwrap_or_default();
+    assert!(warning.contains("priority"), "{r:?}");
+    assert_eq!(sim_calls(&sim, "extra-field"), 1);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    Ok(())
+}
