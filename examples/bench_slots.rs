@@ -67,7 +67,10 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 /// Calls of the named commands since the last CONFIG RESETSTAT. Redis also lists the
 /// commands run inside scripts, which are not round trips: callers name only the
 /// commands their clients send.
-async fn client_calls(c: &mut redis::aio::MultiplexedConnection, names: &[&str]) -> HashMap<String, u64> {
+async fn client_calls(
+    c: &mut redis::aio::MultiplexedConnection,
+    names: &[&str],
+) -> HashMap<String, u64> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(c)
