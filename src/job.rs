@@ -38,10 +38,33 @@ pub enum JobError {
     EmptyMessages,
     #[error("`{field}` {why}")]
     BadField { field: String, why: String },
-    #[error("unknown model `{0}` (not in [models])")]
+    #[error("unknown model `{}` (not in [models])", shown(.0))]
     UnknownModel(String),
-    #[error("unknown route `{0}` (not in [routes])")]
+    #[error("unknown route `{}` (not in [routes])", shown(.0))]
     UnknownRoute(String),
+}
+
+/// A producer-supplied value as it appears in a reason: control characters and line
+/// separators escaped, at most 80 characters, so the reason stays one short line.
+fn shown(s: &str) -> String {
+    const MAX_CHARS: usize = 80;
+    let mut out = String::new();
+    let mut len = 0;
+    for c in s.chars() {
+        if len >= MAX_CHARS {
+            out.push('…');
+            break;
+        }
+        if c.is_control() || matches!(c, '\u{2028}' | '\u{2029}') {
+            let esc = c.escape_default();
+            len += esc.len();
+            out.extend(esc);
+        } else {
+            len += 1;
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -140,7 +163,15 @@ pub fn parse(
         match body.get(f) {
             None | Some(Value::Null) => {}
             Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n > 0) => {}
-            Some(other) => return Err(bad(f, format!("must be a positive integer, got {other}"))),
+            Some(other) => {
+                return Err(bad(
+                    f,
+                    format!(
+                        "must be a positive integer, got {}",
+                        shown(&other.to_string())
+                    ),
+                ));
+            }
         }
     }
     match body.get("temperature") {

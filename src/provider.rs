@@ -147,7 +147,14 @@ fn transport_error(e: &reqwest::Error) -> Outcome {
 pub fn one_line(s: &str) -> String {
     let mut out: String = s
         .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
+        .map(|c| {
+            // U+2028/U+2029 end a line in many viewers (and JSON-in-JS) too.
+            if c.is_control() || matches!(c, '\u{2028}' | '\u{2029}') {
+                ' '
+            } else {
+                c
+            }
+        })
         .take(300)
         .collect();
     if s.chars().count() > 300 {
@@ -156,7 +163,14 @@ pub fn one_line(s: &str) -> String {
     out
 }
 
-/// Usage as an OpenAI-compatible body reports it, if it does.
+/// Largest token count one response may report. No model has a window anywhere near
+/// this; a larger count is garbage, and pricing it could overflow the decimal cost
+/// (found by fuzzing: `prompt_tokens` = 2^64-1 panicked in `cost::cost`).
+pub const MAX_REPORTED_TOKENS: u64 = 1_000_000_000;
+
+/// Usage as an OpenAI-compatible body reports it, if it does. A body reporting more than
+/// [`MAX_REPORTED_TOKENS`] prompt or completion tokens is treated as reporting no usage
+/// (the worker then warns that the call's cost is unknown).
 pub fn parse_usage(v: &Value) -> Option<Usage> {
     let u = v.get("usage")?.as_object()?;
     let prompt = u.get("prompt_tokens")?.as_u64()?;
@@ -164,6 +178,9 @@ pub fn parse_usage(v: &Value) -> Option<Usage> {
         .get("completion_tokens")
         .and_then(Value::as_u64)
         .unwrap_or(0);
+    if prompt > MAX_REPORTED_TOKENS || completion > MAX_REPORTED_TOKENS {
+        return None;
+    }
     let cached = u
         .get("prompt_tokens_details")
         .and_then(|d| d.get("cached_tokens"))
