@@ -677,6 +677,7 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
     let period = inner.ttl / 3;
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut renew_failing = false;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -717,7 +718,17 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
                     }
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "slot renewal failed; will retry next tick"),
+            Err(e) => {
+                if !renew_failing {
+                    tracing::warn!(error = %e, "slot renewal failed; retrying every tick (leases expire if this lasts past slots.ttl_ms)");
+                    renew_failing = true;
+                }
+                continue;
+            }
+        }
+        if renew_failing {
+            tracing::info!("slot renewal works again");
+            renew_failing = false;
         }
     }
 }

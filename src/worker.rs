@@ -490,7 +490,10 @@ impl Worker {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Err(e) => {
-                    tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying");
+                    // One line per job, not per retry: the reader logs the outage itself.
+                    if backoff.next == Duration::from_millis(100) {
+                        tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying until Redis answers");
+                    }
                     backoff.sleep(&CancellationToken::new()).await;
                 }
             }
@@ -717,7 +720,10 @@ impl Worker {
                 }
                 Err(SlotError::Stopped) => return None,
                 Err(e) => {
-                    tracing::warn!(error = %e, pool = %pool, "cannot take a slot; retrying");
+                    // One line per job, not per retry: the reader logs the outage itself.
+                    if backoff.next == Duration::from_millis(100) {
+                        tracing::warn!(error = %e, pool = %pool, "cannot take a slot; retrying until Redis answers");
+                    }
                     backoff.sleep(&CancellationToken::new()).await;
                 }
             }
