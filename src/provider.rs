@@ -98,10 +98,16 @@ impl ProviderClient {
         Value::Object(body)
     }
 
-    /// Waits for the local rate limiter (not for a slot: the caller holds one), then calls.
-    /// Dropping the future aborts the HTTP request.
-    pub async fn call(&self, body: &Value, job_id: &str) -> Outcome {
+    /// Waits until this process may send one more request to this provider
+    /// (`requests_per_second`, governor). Call it *before* taking a slot, so a fleet slot
+    /// is never held while waiting on the local limit; each call of it admits one request.
+    pub async fn throttle(&self) {
         self.limiter.until_ready().await;
+    }
+
+    /// Sends one request (the caller has passed [`ProviderClient::throttle`] and holds a
+    /// slot). Dropping the future aborts the HTTP request.
+    pub async fn call(&self, body: &Value, job_id: &str) -> Outcome {
         let mut req = self
             .http
             .post(&self.url)

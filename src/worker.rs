@@ -303,8 +303,10 @@ impl Worker {
                 .collect();
             match self.queue.keepalive(&entries).await {
                 Ok(gone) => {
-                    for e in gone {
-                        tracing::warn!(entry = %e, "job is no longer pending under this worker (taken over or acknowledged elsewhere)");
+                    // A job that committed since the snapshot is gone too, legitimately.
+                    let active = lock(&self.active);
+                    for e in gone.iter().filter(|e| active.contains_key(*e)) {
+                        tracing::warn!(entry = %e, "job is no longer pending under this worker (taken over or acknowledged elsewhere); its result will be discarded if another worker commits first");
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "keepalive failed; retrying next tick"),
@@ -523,8 +525,18 @@ impl Worker {
         let mut attempts = 0u64;
         let mut tried: Vec<String> = vec![];
         let finished = loop {
+            // The local rate limit first: a fleet slot is never held while waiting on it.
+            let throttled = plan.current().provider.clone();
+            if let Some(c) = self.providers.get(&throttled) {
+                c.throttle().await;
+            }
             let lease = self.take_slot(&mut plan).await?;
             let cand = plan.current().clone();
+            if cand.provider != throttled
+                && let Some(c) = self.providers.get(&cand.provider)
+            {
+                c.throttle().await; // the slot fast path switched provider
+            }
             if tried.last() != Some(&cand.model) {
                 tried.push(cand.model.clone());
             }

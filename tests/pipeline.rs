@@ -658,3 +658,47 @@ async fn a_slot_is_held_during_every_call_and_none_is_left_after_the_run() {
     );
     b.shutdown().await;
 }
+
+/// `requests_per_second` is a local limit per provider (governor): 20 calls at 5/s take
+/// at least (20 - 5 burst) / 5 = 3 s, however many slots and job tasks are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_requests_per_second_limit_holds() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg_path = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let payloads: Vec<String> = (0..20).map(|i| job(&format!("rps-{i}"), "hi")).collect();
+    push(&mut conn, "llm", &payloads).await;
+    let started = std::time::Instant::now();
+    let mut w = WorkerProc::spawn(
+        &cfg_path,
+        "w1",
+        &[("LLM_WORKER__PROVIDERS__P1__REQUESTS_PER_SECOND", "5")],
+    );
+    context(
+        wait_len(&mut conn, "{llm}:results", 20, Duration::from_secs(30)).await,
+        &[&w],
+    )?;
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(2800),
+        "20 calls at 5/s took only {took:?}"
+    );
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert!(
+        results
+            .iter()
+            .all(|(_, r)| r["status"] == "ok" && r["attempts"] == "1")
+    );
+    w.signal(libc_sig::TERM);
+    assert!(
+        w.wait_timeout(Duration::from_secs(10))
+            .expect("exit")
+            .success(),
+        "{}",
+        w.log()
+    );
+    Ok(())
+}
