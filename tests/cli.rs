@@ -34,6 +34,18 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+/// `enqueue --file <jobs>` with config `cfg`.
+async fn enqueue_file(cfg: &Path, jobs: &Path) -> BinOutput {
+    let args = [
+        "--config",
+        cfg.to_str().unwrap(),
+        "enqueue",
+        "--file",
+        jobs.to_str().unwrap(),
+    ];
+    run_bin_async(&args, &[], T).await
+}
+
 /// Both `check-config` and `run` exit 2 with one line on stderr naming `key`.
 async fn assert_config_error(cfg: &Path, env: &[(&str, &str)], key: &str) {
     for cmd in ["check-config", "run"] {
@@ -273,11 +285,7 @@ async fn enqueue_results_and_status_round_trip() {
         cost
     );
 
-    w.signal(libc_sig::TERM);
-    let st = w
-        .wait_timeout(Duration::from_secs(10))
-        .expect("worker exits");
-    assert!(st.success(), "{st:?}\n{}", w.log());
+    stop_clean(&mut w, Duration::from_secs(10)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,18 +305,7 @@ async fn enqueue_file_with_a_bad_line_enqueues_nothing_and_names_the_line() {
             "\n",
         ),
     );
-    let out = run_bin_async(
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "enqueue",
-            "--file",
-            jsonl.to_str().unwrap(),
-        ],
-        &[],
-        T,
-    )
-    .await;
+    let out = enqueue_file(&cfg, &jsonl).await;
     assert!(
         out.code.is_some_and(|c| c != 0),
         "exits non-zero: {}",
@@ -335,18 +332,7 @@ async fn enqueue_file_with_a_bad_line_enqueues_nothing_and_names_the_line() {
             "\n",
         ),
     );
-    let out = run_bin_async(
-        &[
-            "--config",
-            cfg.to_str().unwrap(),
-            "enqueue",
-            "--file",
-            good.to_str().unwrap(),
-        ],
-        &[],
-        T,
-    )
-    .await;
+    let out = enqueue_file(&cfg, &good).await;
     assert_eq!(out.code, Some(0), "{}", out.all());
     assert_eq!(out.stdout.trim().lines().count(), 2, "{}", out.all());
     assert_eq!(xlen(&mut conn, "{llm}:jobs").await, 2);

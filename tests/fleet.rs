@@ -6,11 +6,10 @@
 mod common;
 
 use common::*;
-use llm_worker::sim::{Fault, Rule, SimOptions};
+use llm_worker::sim::{Fault, SimOptions};
 use llm_worker::slots::{Lease, Slots};
 use redis::AsyncCommands;
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::process::ExitStatus;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -44,45 +43,6 @@ fn job_on(id: &str, model: &str) -> String {
         .to_string()
 }
 
-/// Waits for the process to exit without blocking the runtime (the sim runs in it).
-async fn wait_exit(w: &mut WorkerProc, timeout: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(Some(s)) = w.child.try_wait() {
-            return Some(s);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// SIGTERM, then a clean exit (0) within `timeout`.
-async fn stop_clean(w: &mut WorkerProc, timeout: Duration) {
-    w.signal(libc_sig::TERM);
-    let status = wait_exit(w, timeout).await;
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "exit {status:?}\n{}",
-        w.log()
-    );
-}
-
-async fn wait_log(w: &WorkerProc, needle: &str, timeout: Duration) -> bool {
-    wait_for(timeout, || async { w.log().contains(needle) }).await
-}
-
-/// Every result must be `ok` and every job id appear exactly once.
-fn assert_all_ok_once(results: &[(String, HashMap<String, String>)], n: usize) {
-    assert_eq!(results.len(), n, "one result per job");
-    let ids: HashSet<_> = results.iter().map(|(_, r)| r["job_id"].clone()).collect();
-    assert_eq!(ids.len(), n, "every job exactly once");
-    for (_, r) in results {
-        assert_eq!(r["status"], "ok", "{r:?}");
-    }
-}
-
 fn per_worker(results: &[(String, HashMap<String, String>)]) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for (_, r) in results {
@@ -103,8 +63,7 @@ async fn quota_holds_across_three_processes() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
-    let payloads: Vec<String> = (0..200).map(|i| job(&format!("job-{i}"), "hi")).collect();
-    push(&mut conn, "llm", &payloads).await;
+    push(&mut conn, "llm", &jobs("job", 200)).await;
     let mut ws: Vec<WorkerProc> = ["w1", "w2", "w3"]
         .iter()
         .map(|n| WorkerProc::spawn(&cfg, n, &[]))
@@ -166,8 +125,7 @@ async fn mixed_n_uses_the_recorded_n() -> anyhow::Result<()> {
             w.log()
         );
     }
-    let payloads: Vec<String> = (0..150).map(|i| job(&format!("job-{i}"), "hi")).collect();
-    push(&mut conn, "llm", &payloads).await;
+    push(&mut conn, "llm", &jobs("job", 150)).await;
     context(
         wait_len(&mut conn, "{llm}:results", 150, Duration::from_secs(30)).await,
         &[&w1, &w2, &w8],
@@ -202,12 +160,7 @@ async fn sigkill_holder_slots_come_back_within_ttl() -> anyhow::Result<()> {
     let redis = RedisServer::start();
     // m2 calls never answer (A holds its slots until killed); m1 calls answer at once.
     let sim = SimHandle::start(SimOptions {
-        rules: vec![Rule {
-            model: "m2".into(),
-            fault: Fault::Hang,
-            probability: 1.0,
-            first_n: None,
-        }],
+        rules: vec![always("m2", Fault::Hang)],
         ..SimOptions::default()
     })
     .await;
@@ -241,17 +194,7 @@ async fn sigkill_holder_slots_come_back_within_ttl() -> anyhow::Result<()> {
         &[job_on("b-0", "m1"), job_on("b-1", "m1")],
     )
     .await;
-    let b_waits = wait_for(Duration::from_secs(10), || {
-        let mut c = conn.clone();
-        async move {
-            let q: Vec<String> = c
-                .zrange("{llm}:slotq:default", 0, -1)
-                .await
-                .unwrap_or_default();
-            q.iter().any(|t| t.starts_with("wb:"))
-        }
-    })
-    .await;
+    let b_waits = wait_slot_queue(&conn, "wb", Duration::from_secs(10)).await;
     assert!(b_waits, "B queues for a slot\n{}", b.log());
 
     a.signal(libc_sig::KILL);
@@ -654,9 +597,7 @@ async fn busy_pool_sends_work_to_a_fallback_model_with_a_free_slot() -> anyhow::
     let all = entries(&mut conn, "{llm}:results").await;
     let last = &all.last().expect("3 results").1;
     assert_eq!(last["model"], "m1", "{last:?}");
-    w.signal(libc_sig::TERM);
-    let status = w.wait_timeout(Duration::from_secs(10)).expect("exit");
-    assert!(status.success(), "{}", w.log());
+    stop_clean(&mut w, Duration::from_secs(10)).await;
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }

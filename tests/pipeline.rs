@@ -79,14 +79,10 @@ async fn three_hundred_jobs_all_ok_and_cost_matches_billed_tokens_exactly() -> a
     let picos: i64 = redis::AsyncCommands::hget(&mut conn, "{llm}:cost", "m1:cost_picos").await?;
     assert_eq!(cost::from_picos(picos), expected);
     // Acknowledged and removed: nothing pending, nothing left in the jobs stream.
-    let pending: redis::Value = redis::cmd("XPENDING")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .query_async(&mut conn)
-        .await?;
-    assert!(
-        matches!(pending, redis::Value::Array(ref a) if matches!(a[0], redis::Value::Int(0))),
-        "{pending:?}"
+    assert_eq!(
+        pending_count(&mut conn, "{llm}:jobs", "workers").await,
+        0,
+        "nothing pending"
     );
     assert_eq!(xlen(&mut conn, "{llm}:jobs").await, 0);
     // At most 4 calls at once, and no slot left behind.
@@ -95,11 +91,7 @@ async fn three_hundred_jobs_all_ok_and_cost_matches_billed_tokens_exactly() -> a
         "max in flight {}",
         stats.max_in_flight
     );
-    w.signal(libc_sig::TERM);
-    let status = w
-        .wait_timeout(Duration::from_secs(10))
-        .expect("worker exits");
-    assert!(status.success(), "exit {status:?}\n{}", w.log());
+    stop_clean(&mut w, Duration::from_secs(10)).await;
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }
@@ -172,11 +164,7 @@ impl Bench {
     /// SIGTERM; the worker exits 0, nothing is left pending and no slot key remains.
     async fn shutdown(mut self) {
         let mut w = self.worker.take().expect("a worker was spawned");
-        w.signal(libc_sig::TERM);
-        let status = w
-            .wait_timeout(Duration::from_secs(10))
-            .expect("worker exits within 10 s of SIGTERM");
-        assert!(status.success(), "exit {status:?}\n{}", w.log());
+        stop_clean(&mut w, Duration::from_secs(10)).await;
         assert_eq!(
             pending_count(&mut self.conn, "{llm}:jobs", "workers").await,
             0,
@@ -184,15 +172,6 @@ impl Bench {
         );
         assert_eq!(slot_keys(&mut self.conn, "llm").await, Vec::<String>::new());
         drop(self.redis);
-    }
-}
-
-fn always(model: &str, fault: Fault) -> Rule {
-    Rule {
-        model: model.into(),
-        fault,
-        probability: 1.0,
-        first_n: None,
     }
 }
 
@@ -669,8 +648,7 @@ async fn provider_requests_per_second_limit_holds() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let cfg_path = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
-    let payloads: Vec<String> = (0..20).map(|i| job(&format!("rps-{i}"), "hi")).collect();
-    push(&mut conn, "llm", &payloads).await;
+    push(&mut conn, "llm", &jobs("rps", 20)).await;
     let started = std::time::Instant::now();
     let mut w = WorkerProc::spawn(
         &cfg_path,
@@ -692,13 +670,6 @@ async fn provider_requests_per_second_limit_holds() -> anyhow::Result<()> {
             .iter()
             .all(|(_, r)| r["status"] == "ok" && r["attempts"] == "1")
     );
-    w.signal(libc_sig::TERM);
-    assert!(
-        w.wait_timeout(Duration::from_secs(10))
-            .expect("exit")
-            .success(),
-        "{}",
-        w.log()
-    );
+    stop_clean(&mut w, Duration::from_secs(10)).await;
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! Nothing lost, nothing paid twice: crash recovery, dead letters, Redis outages and bad
 //! input, on the real binary, a real redis-server and the simulated provider over HTTP.
 //!
-//! Every wait is bounded; blocking process control (SIGKILL + wait, redis-server stop and
-//! restart) runs in `block_in_place` so the in-process sim keeps answering meanwhile.
+//! Every wait is bounded; waits for a worker's exit are async and blocking process control
+//! (redis-server stop and restart) runs in `block_in_place`, so the in-process sim keeps
+//! answering meanwhile.
 
 mod common;
 
@@ -15,24 +16,13 @@ use std::time::{Duration, Instant};
 
 type Entries = Vec<(String, HashMap<String, String>)>;
 
-fn always(model: &str, fault: Fault) -> Rule {
-    Rule {
-        model: model.into(),
-        fault,
-        probability: 1.0,
-        first_n: None,
-    }
-}
-
 /// SIGKILL and reap (bounded); panics if the process does not die.
-fn kill9(w: &mut WorkerProc) {
-    tokio::task::block_in_place(|| {
-        w.signal(libc_sig::KILL);
-        assert!(
-            w.wait_timeout(Duration::from_secs(5)).is_some(),
-            "worker did not die on SIGKILL"
-        );
-    });
+async fn kill9(w: &mut WorkerProc) {
+    w.signal(libc_sig::KILL);
+    assert!(
+        wait_exit(w, Duration::from_secs(5)).await.is_some(),
+        "worker did not die on SIGKILL"
+    );
 }
 
 fn running(w: &mut WorkerProc) -> bool {
@@ -77,22 +67,6 @@ async fn pending_entries(
     let r: Result<Vec<(String, String, u64, u64)>, _> = cmd.query_async(conn).await;
     r.map(|v| v.into_iter().map(|(id, ..)| id).collect())
         .unwrap_or_default()
-}
-
-fn logs(workers: &[&WorkerProc]) -> String {
-    workers
-        .iter()
-        .map(|w| {
-            let log = w.log();
-            let lines: Vec<&str> = log.lines().collect();
-            format!(
-                "--- {} ---\n{}",
-                w.log_path.display(),
-                lines[lines.len().saturating_sub(30)..].join("\n")
-            )
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
 
 // ---------------------------------------------------------------------------------------
@@ -163,7 +137,7 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
             for e in pending_entries(&mut conn, Some(&name)).await {
                 at_risk.extend(job_of.get(&e).cloned());
             }
-            kill9(&mut w);
+            kill9(&mut w).await;
             kills += 1;
             dead_workers.push(w);
             workers.push(spawn(&mut next));
@@ -275,7 +249,7 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
         "lost {} jobs, e.g. {:?}\n{}",
         lost.len(),
         &lost[..lost.len().min(10)],
-        logs(&live)
+        logs_tail(&live, 30)
     );
     assert!(doubled.is_empty(), "jobs with two results: {doubled:?}");
     assert!(bad_status.is_empty(), "unexpected results: {bad_status:?}");
@@ -359,7 +333,7 @@ async fn redis_down_10s_workers_survive_and_finish_every_job() -> anyhow::Result
             })
             .await,
             "/ready on {p} never 200 before the outage\n{}",
-            logs(&workers.iter().collect::<Vec<_>>())
+            logs_tail(&workers.iter().collect::<Vec<_>>(), 30)
         );
     }
     let mut conn = redis.conn().await;
@@ -367,10 +341,7 @@ async fn redis_down_10s_workers_survive_and_finish_every_job() -> anyhow::Result
     let payloads: Vec<String> = ids.iter().map(|id| job(id, id)).collect();
     push(&mut conn, "llm", &payloads).await;
     assert!(
-        wait_for(Duration::from_secs(10), || async {
-            sim.sim.stats().in_flight >= 2
-        })
-        .await,
+        in_flight_at_least(&sim, 2, Duration::from_secs(10)).await,
         "no calls in flight"
     );
 
@@ -502,7 +473,7 @@ async fn poison_job_lands_in_dead_after_max_deliveries() -> anyhow::Result<()> {
             "delivery {delivery}: no call started\n{}",
             w.log()
         );
-        kill9(&mut w);
+        kill9(&mut w).await;
         killed.push(w);
     }
     let mut last = WorkerProc::spawn(&cfg, "poison-w3", &env);

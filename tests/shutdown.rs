@@ -7,114 +7,108 @@ mod common;
 use common::*;
 use llm_worker::sim::SimOptions;
 use redis::AsyncCommands;
-use std::collections::HashSet;
+use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 type Conn = redis::aio::MultiplexedConnection;
 
-/// Waits for the process to exit without blocking the runtime (the sim runs in it).
-async fn wait_exit(w: &mut WorkerProc, timeout: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(Some(s)) = w.child.try_wait() {
-            return Some(s);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
+/// A redis-server, the sim answering every call after `latency_ms`, and a config with
+/// `concurrency` and `grace_ms` written to `cfg`.
+struct Setup {
+    conn: Conn,
+    cfg: PathBuf,
+    grace_ms: u64,
+    sim: SimHandle,
+    _dir: tempfile::TempDir,
+    _redis: RedisServer,
+}
+
+impl Setup {
+    async fn new(latency_ms: u64, concurrency: usize, grace_ms: u64) -> anyhow::Result<Setup> {
+        let redis = RedisServer::start();
+        let sim = SimHandle::start(SimOptions {
+            latency_ms,
+            ..SimOptions::default()
+        })
+        .await;
+        let mut tc = TestConfig::new(&redis, &sim);
+        tc.concurrency = concurrency;
+        tc.grace_ms = grace_ms;
+        let dir = tempfile::tempdir()?;
+        let cfg = tc.write(dir.path(), "w.toml");
+        let conn = redis.conn().await;
+        Ok(Setup {
+            conn,
+            cfg,
+            grace_ms,
+            sim,
+            _dir: dir,
+            _redis: redis,
+        })
+    }
+
+    /// Pushes `n` jobs, then starts worker `w1`.
+    async fn push_and_spawn(&mut self, n: usize) -> WorkerProc {
+        push(&mut self.conn, "llm", &jobs("job", n)).await;
+        WorkerProc::spawn(&self.cfg, "w1", &[])
     }
 }
 
-/// Entries of `{llm}:jobs` delivered to a consumer and not acknowledged.
-async fn pending(conn: &mut Conn) -> u64 {
-    let v: redis::Value = redis::cmd("XPENDING")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .query_async(conn)
-        .await
-        .expect("xpending");
-    match v {
-        redis::Value::Array(a) => match a.first() {
-            Some(redis::Value::Int(n)) => *n as u64,
-            _ => 0,
-        },
-        _ => 0,
-    }
-}
-
-async fn in_flight_at_least(sim: &SimHandle, n: u64, timeout: Duration) -> bool {
-    wait_for(timeout, || async { sim.sim.stats().in_flight >= n }).await
-}
-
-fn jobs(prefix: &str, n: usize) -> Vec<String> {
-    (0..n)
-        .map(|i| job(&format!("{prefix}-{i}"), "hi"))
-        .collect()
-}
-
-/// Every result `ok`, every job id at most once; returns the ids.
-async fn ok_results_once(conn: &mut Conn) -> HashSet<String> {
-    let results = entries(conn, "{llm}:results").await;
-    let ids: HashSet<String> = results.iter().map(|(_, r)| r["job_id"].clone()).collect();
-    assert_eq!(ids.len(), results.len(), "nothing acknowledged twice");
-    for (_, r) in &results {
-        assert_eq!(r["status"], "ok", "{r:?}");
-    }
-    ids
+/// Sends `sig`, then waits for the exit (at most `timeout`): the status and the time taken.
+async fn signal_and_wait(
+    w: &mut WorkerProc,
+    sig: &str,
+    timeout: Duration,
+) -> (Option<ExitStatus>, Duration) {
+    w.signal(sig);
+    let sent = Instant::now();
+    let status = wait_exit(w, timeout).await;
+    (status, sent.elapsed())
 }
 
 /// Signal `sig` while 8 jobs are taken (4 calls running, 4 waiting for a slot), each
 /// call 600 ms, grace 5 s: all 8 finish inside the grace and are written; the 4 jobs not
 /// yet taken stay in the stream, untouched.
 async fn drains_in_flight_jobs_on(sig: &str) -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions {
-        latency_ms: 600,
-        ..SimOptions::default()
-    })
-    .await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.concurrency = 8;
-    tc.grace_ms = 5000;
-    let dir = tempfile::tempdir()?;
-    let cfg = tc.write(dir.path(), "w.toml");
-    let mut conn = redis.conn().await;
-    push(&mut conn, "llm", &jobs("job", 12)).await;
-    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let mut bed = Setup::new(600, 8, 5000).await?;
+    let mut w = bed.push_and_spawn(12).await;
     let busy = wait_for(Duration::from_secs(10), || {
-        let mut c = conn.clone();
-        let sim = sim.sim.clone();
-        async move { sim.stats().in_flight == 4 && pending(&mut c).await == 8 }
+        let mut c = bed.conn.clone();
+        let sim = bed.sim.sim.clone();
+        async move {
+            sim.stats().in_flight == 4 && pending_count(&mut c, "{llm}:jobs", "workers").await == 8
+        }
     })
     .await;
     assert!(busy, "8 jobs taken, 4 calls running\n{}", w.log());
-    w.signal(sig);
-    let sent = Instant::now();
-    let status = wait_exit(&mut w, Duration::from_millis(tc.grace_ms + 2000)).await;
-    let took = sent.elapsed();
+    let (status, took) =
+        signal_and_wait(&mut w, sig, Duration::from_millis(bed.grace_ms + 2000)).await;
     assert!(
         status.is_some_and(|s| s.success()),
         "clean exit 0 within grace + 2 s: {status:?}\n{}",
         w.log()
     );
     eprintln!("{sig}: drained and exited in {took:?}");
-    let ids = ok_results_once(&mut conn).await;
+    let ids = ok_results_once(&mut bed.conn).await;
     assert_eq!(
         ids.len(),
         8,
         "every in-flight job's result written\n{}",
         w.log()
     );
-    assert_eq!(pending(&mut conn).await, 0, "nothing left pending");
     assert_eq!(
-        xlen(&mut conn, "{llm}:jobs").await,
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
+        0,
+        "nothing left pending"
+    );
+    assert_eq!(
+        xlen(&mut bed.conn, "{llm}:jobs").await,
         4,
         "no job taken after the signal"
     );
     assert!(
-        slot_keys(&mut conn, "llm").await.is_empty(),
+        slot_keys(&mut bed.conn, "llm").await.is_empty(),
         "no slot key left"
     );
     Ok(())
@@ -136,108 +130,79 @@ async fn sigint_behaves_as_sigterm() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_calls_longer_than_grace_leaves_jobs_pending_for_another_worker()
 -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions {
-        latency_ms: 5000,
-        ..SimOptions::default()
-    })
-    .await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.concurrency = 4;
-    tc.grace_ms = 1000;
-    let dir = tempfile::tempdir()?;
-    let cfg = tc.write(dir.path(), "w.toml");
-    let mut conn = redis.conn().await;
-    push(&mut conn, "llm", &jobs("job", 4)).await;
-    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let mut bed = Setup::new(5000, 4, 1000).await?;
+    let mut w = bed.push_and_spawn(4).await;
     assert!(
-        in_flight_at_least(&sim, 4, Duration::from_secs(10)).await,
+        in_flight_at_least(&bed.sim, 4, Duration::from_secs(10)).await,
         "4 calls running\n{}",
         w.log()
     );
-    w.signal(libc_sig::TERM);
-    let sent = Instant::now();
-    let status = wait_exit(&mut w, Duration::from_millis(tc.grace_ms + 2000)).await;
-    let took = sent.elapsed();
+    let grace = Duration::from_millis(bed.grace_ms);
+    let (status, took) =
+        signal_and_wait(&mut w, libc_sig::TERM, grace + Duration::from_secs(2)).await;
     assert!(
         status.is_some_and(|s| s.success()),
         "exit 0 within grace + 2 s: {status:?}\n{}",
         w.log()
     );
     eprintln!("SIGTERM with calls longer than the grace: exited in {took:?}");
+    assert!(took >= grace, "the grace was given");
     assert!(
-        took >= Duration::from_millis(tc.grace_ms),
-        "the grace was given"
-    );
-    assert!(
-        slot_keys(&mut conn, "llm").await.is_empty(),
+        slot_keys(&mut bed.conn, "llm").await.is_empty(),
         "no slot key left"
     );
     assert_eq!(
-        xlen(&mut conn, "{llm}:results").await,
+        xlen(&mut bed.conn, "{llm}:results").await,
         0,
         "no result for cancelled jobs"
     );
     assert_eq!(
-        pending(&mut conn).await,
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
         4,
         "the unfinished jobs stay pending"
     );
     // A second worker takes the abandoned jobs over once they have been idle long enough.
-    sim.sim.set_options(SimOptions {
+    bed.sim.sim.set_options(SimOptions {
         latency_ms: 10,
         ..SimOptions::default()
     });
-    let mut w2 = WorkerProc::spawn(&cfg, "w2", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "200")]);
+    let mut w2 = WorkerProc::spawn(
+        &bed.cfg,
+        "w2",
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "200")],
+    );
     context(
-        wait_len(&mut conn, "{llm}:results", 4, Duration::from_secs(15)).await,
+        wait_len(&mut bed.conn, "{llm}:results", 4, Duration::from_secs(15)).await,
         &[&w2],
     )?;
-    let ids = ok_results_once(&mut conn).await;
+    let ids = ok_results_once(&mut bed.conn).await;
     assert_eq!(ids.len(), 4);
-    assert_eq!(pending(&mut conn).await, 0);
-    for (_, r) in entries(&mut conn, "{llm}:results").await {
+    assert_eq!(
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
+        0
+    );
+    for (_, r) in entries(&mut bed.conn, "{llm}:results").await {
         assert_eq!(r["worker"], "w2");
     }
-    w2.signal(libc_sig::TERM);
-    let status = wait_exit(&mut w2, Duration::from_secs(6)).await;
-    assert!(status.is_some_and(|s| s.success()), "{}", w2.log());
-    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    stop_clean(&mut w2, Duration::from_secs(6)).await;
+    assert!(slot_keys(&mut bed.conn, "llm").await.is_empty());
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_signal_skips_the_grace() -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions {
-        latency_ms: 10_000,
-        ..SimOptions::default()
-    })
-    .await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.concurrency = 2;
-    tc.grace_ms = 20_000;
-    let dir = tempfile::tempdir()?;
-    let cfg = tc.write(dir.path(), "w.toml");
-    let mut conn = redis.conn().await;
-    push(&mut conn, "llm", &jobs("job", 2)).await;
-    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let mut bed = Setup::new(10_000, 2, 20_000).await?;
+    let mut w = bed.push_and_spawn(2).await;
     assert!(
-        in_flight_at_least(&sim, 2, Duration::from_secs(10)).await,
+        in_flight_at_least(&bed.sim, 2, Duration::from_secs(10)).await,
         "{}",
         w.log()
     );
     w.signal(libc_sig::TERM);
-    let draining = wait_for(Duration::from_secs(5), || async {
-        w.log().contains("draining in-flight jobs")
-    })
-    .await;
+    let draining = wait_log(&w, "draining in-flight jobs", Duration::from_secs(5)).await;
     assert!(draining, "first signal seen\n{}", w.log());
     assert!(w.child.try_wait()?.is_none(), "still draining");
-    w.signal(libc_sig::TERM);
-    let sent = Instant::now();
-    let status = wait_exit(&mut w, Duration::from_secs(1)).await;
-    let took = sent.elapsed();
+    let (status, took) = signal_and_wait(&mut w, libc_sig::TERM, Duration::from_secs(1)).await;
     assert!(
         status.is_some_and(|s| s.success()),
         "second signal: exit 0 within 1 s ({took:?}): {status:?}\n{}",
@@ -245,15 +210,15 @@ async fn second_signal_skips_the_grace() -> anyhow::Result<()> {
     );
     eprintln!("second SIGTERM: exited in {took:?}");
     assert!(
-        slot_keys(&mut conn, "llm").await.is_empty(),
+        slot_keys(&mut bed.conn, "llm").await.is_empty(),
         "no slot key left"
     );
     assert_eq!(
-        pending(&mut conn).await,
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
         2,
         "the cancelled jobs stay pending"
     );
-    assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
+    assert_eq!(xlen(&mut bed.conn, "{llm}:results").await, 0);
     Ok(())
 }
 
@@ -272,30 +237,19 @@ async fn http_status(url: &str) -> Option<u16> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_turns_503_at_once_on_sigterm_while_draining() -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions {
-        latency_ms: 2000,
-        ..SimOptions::default()
-    })
-    .await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.concurrency = 2;
-    tc.grace_ms = 10_000;
-    let dir = tempfile::tempdir()?;
-    let cfg = tc.write(dir.path(), "w.toml");
-    let mut conn = redis.conn().await;
+    let mut bed = Setup::new(2000, 2, 10_000).await?;
     let listen = format!("127.0.0.1:{}", free_port());
     let ready = format!("http://{listen}/ready");
     let health = format!("http://{listen}/health");
-    let mut w = WorkerProc::spawn(&cfg, "w1", &[("LLM_WORKER__SERVER__LISTEN", &listen)]);
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[("LLM_WORKER__SERVER__LISTEN", &listen)]);
     let up = wait_for(Duration::from_secs(10), || async {
         http_status(&ready).await == Some(200)
     })
     .await;
     assert!(up, "/ready 200 while taking jobs\n{}", w.log());
-    push(&mut conn, "llm", &jobs("job", 2)).await;
+    push(&mut bed.conn, "llm", &jobs("job", 2)).await;
     assert!(
-        in_flight_at_least(&sim, 2, Duration::from_secs(10)).await,
+        in_flight_at_least(&bed.sim, 2, Duration::from_secs(10)).await,
         "{}",
         w.log()
     );
@@ -313,7 +267,7 @@ async fn ready_turns_503_at_once_on_sigterm_while_draining() -> anyhow::Result<(
     );
     eprintln!("/ready turned 503 {took:?} after SIGTERM");
     assert!(w.child.try_wait()?.is_none(), "still draining");
-    assert_eq!(sim.sim.stats().in_flight, 2, "the calls still run");
+    assert_eq!(bed.sim.sim.stats().in_flight, 2, "the calls still run");
     assert_eq!(
         http_status(&health).await,
         Some(200),
@@ -325,8 +279,8 @@ async fn ready_turns_503_at_once_on_sigterm_while_draining() -> anyhow::Result<(
         "drained and exited 0: {status:?}\n{}",
         w.log()
     );
-    assert_eq!(ok_results_once(&mut conn).await.len(), 2);
-    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    assert_eq!(ok_results_once(&mut bed.conn).await.len(), 2);
+    assert!(slot_keys(&mut bed.conn, "llm").await.is_empty());
     Ok(())
 }
 
@@ -354,23 +308,11 @@ async fn shutdown_while_waiting_for_a_slot() -> anyhow::Result<()> {
     }
     push(&mut conn, "llm", &jobs("job", 2)).await;
     let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
-    let queued = wait_for(Duration::from_secs(10), || {
-        let mut c = conn.clone();
-        async move {
-            let q: Vec<String> = c
-                .zrange("{llm}:slotq:default", 0, -1)
-                .await
-                .unwrap_or_default();
-            q.iter().any(|t| t.starts_with("w1:"))
-        }
-    })
-    .await;
+    let queued = wait_slot_queue(&conn, "w1", Duration::from_secs(10)).await;
     assert!(queued, "the worker waits for a slot\n{}", w.log());
-    assert_eq!(pending(&mut conn).await, 2);
-    w.signal(libc_sig::TERM);
-    let sent = Instant::now();
-    let status = wait_exit(&mut w, Duration::from_millis(tc.grace_ms + 2000)).await;
-    let took = sent.elapsed();
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 2);
+    let timeout = Duration::from_millis(tc.grace_ms + 2000);
+    let (status, took) = signal_and_wait(&mut w, libc_sig::TERM, timeout).await;
     assert!(
         status.is_some_and(|s| s.success()),
         "exit 0 within grace + 2 s ({took:?}): {status:?}\n{}",
@@ -388,7 +330,11 @@ async fn shutdown_while_waiting_for_a_slot() -> anyhow::Result<()> {
     }
     let q: Vec<String> = conn.zrange("{llm}:slotq:default", 0, -1).await?;
     assert!(q.is_empty(), "left the waiter queue: {q:?}");
-    assert_eq!(pending(&mut conn).await, 2, "the jobs stay pending");
+    assert_eq!(
+        pending_count(&mut conn, "{llm}:jobs", "workers").await,
+        2,
+        "the jobs stay pending"
+    );
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
     Ok(())
 }

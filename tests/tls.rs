@@ -180,9 +180,7 @@ async fn jobs_flow_over_tls_with_a_private_ca() -> anyhow::Result<()> {
     })
     .await;
     assert!(done, "3 results over TLS\n{}", w.log());
-    w.signal(libc_sig::TERM);
-    let status = w.wait_timeout(Duration::from_secs(10)).expect("exit");
-    assert!(status.success(), "{}", w.log());
+    stop_clean(&mut w, Duration::from_secs(10)).await;
     Ok(())
 }
 

@@ -4,8 +4,9 @@
 #![allow(dead_code)]
 
 use anyhow::{Context, Result, bail};
+use llm_worker::sim::{Fault, Rule};
 use redis::AsyncCommands;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -172,17 +173,7 @@ pub struct TestConfig {
 
 impl TestConfig {
     pub fn new(redis: &RedisServer, sim: &SimHandle) -> TestConfig {
-        TestConfig {
-            redis_url: redis.url(),
-            sim: sim.addr,
-            namespace: "llm".into(),
-            slots: 4,
-            concurrency: 16,
-            ttl_ms: 3000,
-            grace_ms: 3000,
-            listen: String::new(),
-            extra: String::new(),
-        }
+        Self::with_urls(&redis.url(), sim.addr)
     }
 
     pub fn toml(&self) -> String {
@@ -331,20 +322,6 @@ impl WorkerProc {
         signal(self.pid(), sig);
     }
 
-    /// Waits for exit, at most `timeout`. `None` if still running.
-    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok(Some(s)) = self.child.try_wait() {
-                return Some(s);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
@@ -355,6 +332,64 @@ impl Drop for WorkerProc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Waits for the process to exit without blocking the runtime (the sim runs in it).
+/// `None` if still running after `timeout`.
+pub async fn wait_exit(w: &mut WorkerProc, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(Some(s)) = w.child.try_wait() {
+            return Some(s);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// SIGTERM, then a clean exit (0) within `timeout`.
+pub async fn stop_clean(w: &mut WorkerProc, timeout: Duration) {
+    w.signal(libc_sig::TERM);
+    let status = wait_exit(w, timeout).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit {status:?}\n{}",
+        w.log()
+    );
+}
+
+/// Waits until the worker's log contains `needle`.
+pub async fn wait_log(w: &WorkerProc, needle: &str, timeout: Duration) -> bool {
+    wait_for(timeout, || async { w.log().contains(needle) }).await
+}
+
+/// Waits until at least `n` calls run in the sim at once.
+pub async fn in_flight_at_least(sim: &SimHandle, n: u64, timeout: Duration) -> bool {
+    wait_for(timeout, || async { sim.sim.stats().in_flight >= n }).await
+}
+
+/// Waits until consumer `name` is in the waiter queue of pool `default` (tokens are
+/// `<consumer>:<hex>`).
+pub async fn wait_slot_queue(
+    conn: &redis::aio::MultiplexedConnection,
+    name: &str,
+    timeout: Duration,
+) -> bool {
+    let prefix = format!("{name}:");
+    wait_for(timeout, || {
+        let mut c = conn.clone();
+        let prefix = prefix.clone();
+        async move {
+            let q: Vec<String> = c
+                .zrange("{llm}:slotq:default", 0, -1)
+                .await
+                .unwrap_or_default();
+            q.iter().any(|t| t.starts_with(&prefix))
+        }
+    })
+    .await
 }
 
 /// Polls `cond` every 20 ms until it is true or `timeout` passes.
@@ -400,11 +435,62 @@ pub fn job(id: &str, text: &str) -> String {
     serde_json::json!({"id": id, "messages": [{"role": "user", "content": text}]}).to_string()
 }
 
+/// `n` jobs `<prefix>-0` .. `<prefix>-<n-1>`, each saying "hi".
+pub fn jobs(prefix: &str, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| job(&format!("{prefix}-{i}"), "hi"))
+        .collect()
+}
+
+/// A sim rule: `fault` on every call to `model`.
+pub fn always(model: &str, fault: Fault) -> Rule {
+    Rule {
+        model: model.into(),
+        fault,
+        probability: 1.0,
+        first_n: None,
+    }
+}
+
+/// Every result `ok`, every job id at most once; returns the ids.
+pub fn ok_once(results: &[(String, HashMap<String, String>)]) -> HashSet<String> {
+    let ids: HashSet<String> = results.iter().map(|(_, r)| r["job_id"].clone()).collect();
+    assert_eq!(
+        ids.len(),
+        results.len(),
+        "every job exactly once, nothing acknowledged twice"
+    );
+    for (_, r) in results {
+        assert_eq!(r["status"], "ok", "{r:?}");
+    }
+    ids
+}
+
+/// `n` results, every one `ok`, every job id exactly once.
+pub fn assert_all_ok_once(results: &[(String, HashMap<String, String>)], n: usize) {
+    assert_eq!(results.len(), n, "one result per job");
+    ok_once(results);
+}
+
+/// [`ok_once`] on `{llm}:results`.
+pub async fn ok_results_once(conn: &mut redis::aio::MultiplexedConnection) -> HashSet<String> {
+    ok_once(&entries(conn, "{llm}:results").await)
+}
+
 /// Every entry of a stream as (entry id, fields).
 pub async fn entries(
     conn: &mut redis::aio::MultiplexedConnection,
     stream: &str,
 ) -> Vec<(String, HashMap<String, String>)> {
+    entries_as(conn, stream).await
+}
+
+/// Every entry of a stream as (entry id, fields as `T`; a value that does not convert is
+/// `T::default()`).
+async fn entries_as<T: redis::FromRedisValue + Default>(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+) -> Vec<(String, HashMap<String, T>)> {
     let r: redis::streams::StreamRangeReply = conn.xrange_all(stream).await.expect("xrange");
     r.ids
         .into_iter()
@@ -412,7 +498,7 @@ pub async fn entries(
             let m = e
                 .map
                 .into_iter()
-                .map(|(k, v)| (k, redis::from_redis_value::<String>(v).unwrap_or_default()))
+                .map(|(k, v)| (k, redis::from_redis_value::<T>(v).unwrap_or_default()))
                 .collect();
             (e.id, m)
         })
@@ -451,13 +537,16 @@ pub async fn wait_len(
 }
 
 pub fn context<T>(r: Result<T>, workers: &[&WorkerProc]) -> Result<T> {
-    r.with_context(|| {
-        workers
-            .iter()
-            .map(|w| format!("--- {} ---\n{}", w.log_path.display(), tail(&w.log(), 40)))
-            .collect::<Vec<_>>()
-            .join("\n")
-    })
+    r.with_context(|| logs_tail(workers, 40))
+}
+
+/// The last `n` log lines of each worker, under a header naming its log file.
+pub fn logs_tail(workers: &[&WorkerProc], n: usize) -> String {
+    workers
+        .iter()
+        .map(|w| format!("--- {} ---\n{}", w.log_path.display(), tail(&w.log(), n)))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 fn tail(s: &str, n: usize) -> String {
@@ -596,18 +685,7 @@ pub async fn entries_raw(
     conn: &mut redis::aio::MultiplexedConnection,
     stream: &str,
 ) -> Vec<(String, HashMap<String, Vec<u8>>)> {
-    let r: redis::streams::StreamRangeReply = conn.xrange_all(stream).await.expect("xrange");
-    r.ids
-        .into_iter()
-        .map(|e| {
-            let m = e
-                .map
-                .into_iter()
-                .map(|(k, v)| (k, redis::from_redis_value::<Vec<u8>>(v).unwrap_or_default()))
-                .collect();
-            (e.id, m)
-        })
-        .collect()
+    entries_as(conn, stream).await
 }
 
 /// Number of pending entries of `group` on `stream`.
