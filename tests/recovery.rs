@@ -761,3 +761,66 @@ async fn oversized_payload_is_invalid_and_extra_field_is_a_warning() -> anyhow::
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
     Ok(())
 }
+
+/// A job deleted from the stream while pending (XDEL by an operator, or a producer's
+/// MAXLEN trim) has nothing left to process: XAUTOCLAIM reports it, the worker
+/// acknowledges it and logs it instead of retrying it forever; other jobs go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_deleted_while_pending_is_acknowledged_and_logged() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut conn)
+        .await?;
+    let ids = push(&mut conn, "llm", &[job("ghost-1", "lost")]).await;
+    // A consumer that died holding it.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("workers")
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg("{llm}:jobs")
+        .arg(">")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 1);
+    let _: i64 = redis::cmd("XDEL")
+        .arg("{llm}:jobs")
+        .arg(&ids[0])
+        .query_async(&mut conn)
+        .await?;
+    push(&mut conn, "llm", &[job("alive-1", "fine")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "200")]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let gone = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 0 }
+    })
+    .await;
+    assert!(gone, "the deleted entry is acknowledged\n{}", w.log());
+    assert!(
+        wait_log(&w, "deleted from the stream", Duration::from_secs(5)).await,
+        "{}",
+        w.log()
+    );
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0].1["job_id"], "alive-1");
+    assert_eq!(sim.sim.stats().calls_per_job.get("ghost-1"), None);
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+    Ok(())
+}

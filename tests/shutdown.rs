@@ -338,3 +338,53 @@ async fn shutdown_while_waiting_for_a_slot() -> anyhow::Result<()> {
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
     Ok(())
 }
+
+/// Redis goes away while calls run, then SIGTERM: the calls finish, their results cannot
+/// be written, the grace runs out, slots cannot be released (their TTL frees them): the
+/// worker still exits 0 within grace + 2 s, and the jobs stay in the (AOF-kept) stream
+/// as pending for another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_while_redis_is_unreachable_ends_within_grace_plus_2s() -> anyhow::Result<()> {
+    let mut redis = RedisServer::start_opts(true);
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 400,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 4;
+    tc.grace_ms = 1500;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &jobs("job", 4)).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&sim, 4, Duration::from_secs(10)).await,
+        "4 calls running\n{}",
+        w.log()
+    );
+    redis.stop();
+    let (status, took) = signal_and_wait(
+        &mut w,
+        libc_sig::TERM,
+        Duration::from_millis(tc.grace_ms + 2000),
+    )
+    .await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit 0 within grace + 2 s with Redis down: {status:?} after {took:?}\n{}",
+        w.log()
+    );
+    eprintln!("SIGTERM with Redis unreachable: exited in {took:?}");
+    redis.restart();
+    let mut conn = redis.conn().await;
+    let pending = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 4 }
+    })
+    .await;
+    assert!(pending, "the 4 unwritten jobs stay pending\n{}", w.log());
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
+    Ok(())
+}
