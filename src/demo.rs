@@ -316,7 +316,7 @@ pub async fn run(
     rows.sort_by(|a, b| a.1.get("job_id").cmp(&b.1.get("job_id")));
     println!();
     println!(
-        "{:<10} {:<7} {:<18} {:<36} {:>6} {:>6} {:>12} {:>8}",
+        "{:<10} {:<7} {:<18} {:<44} {:>6} {:>6} {:>12} {:>8}",
         "job", "status", "model", "models tried", "in", "out", "cost $", "latency"
     );
     let (mut total, mut retries, mut fallbacks, mut ok) = (Decimal::ZERO, 0u64, 0u64, 0u64);
@@ -332,11 +332,14 @@ pub async fn run(
             ok += 1;
         }
         println!(
-            "{:<10} {:<7} {:<18} {:<36} {:>6} {:>6} {:>12} {:>6}ms",
+            "{:<10} {:<7} {:<18} {:<44} {:>6} {:>6} {:>12} {:>6}ms",
             g("job_id"),
             g("status"),
             g("model"),
-            format!("{tried} ({attempts} calls)"),
+            format!(
+                "{tried} ({attempts} call{})",
+                if attempts == 1 { "" } else { "s" }
+            ),
             g("input_tokens"),
             g("output_tokens"),
             g("cost_usd"),
