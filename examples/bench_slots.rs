@@ -91,6 +91,30 @@ async fn client_calls(
     total
 }
 
+type ContenderTask = tokio::task::JoinHandle<(Vec<f64>, Duration)>;
+
+/// Lets the contenders run for `RUN`, stops them, and gathers their waits and busy time.
+async fn run_contenders(tasks: Vec<ContenderTask>, stop: &AtomicBool, start: Instant) -> Contended {
+    tokio::time::sleep(RUN).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut out = Contended {
+        waits_ms: vec![],
+        per_contender: vec![],
+        busy: Duration::ZERO,
+        wall: Duration::ZERO,
+        acquire_commands: 0,
+        release_commands: 0,
+    };
+    for t in tasks {
+        let (w, b) = t.await.expect("task");
+        out.per_contender.push(w.len() as u64);
+        out.waits_ms.extend(w);
+        out.busy += b;
+    }
+    out.wall = start.elapsed();
+    out
+}
+
 struct Contended {
     waits_ms: Vec<f64>,
     per_contender: Vec<u64>,
@@ -146,23 +170,7 @@ async fn contended_new(url: &str, admin: &mut redis::aio::MultiplexedConnection)
             }));
         }
     }
-    tokio::time::sleep(RUN).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut out = Contended {
-        waits_ms: vec![],
-        per_contender: vec![],
-        busy: Duration::ZERO,
-        wall: Duration::ZERO,
-        acquire_commands: 0,
-        release_commands: 0,
-    };
-    for t in tasks {
-        let (w, b) = t.await.expect("task");
-        out.per_contender.push(w.len() as u64);
-        out.waits_ms.extend(w);
-        out.busy += b;
-    }
-    out.wall = start.elapsed();
+    let mut out = run_contenders(tasks, &stop, start).await;
     let calls = client_calls(admin, &["evalsha", "eval", "blpop"]).await;
     let total = calls.values().sum::<u64>();
     // Every release is one EVALSHA of the release script (as many as acquisitions).
@@ -233,23 +241,7 @@ async fn contended_polling(url: &str, admin: &mut redis::aio::MultiplexedConnect
             }));
         }
     }
-    tokio::time::sleep(RUN).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut out = Contended {
-        waits_ms: vec![],
-        per_contender: vec![],
-        busy: Duration::ZERO,
-        wall: Duration::ZERO,
-        acquire_commands: 0,
-        release_commands: 0,
-    };
-    for t in tasks {
-        let (w, b) = t.await.expect("task");
-        out.per_contender.push(w.len() as u64);
-        out.waits_ms.extend(w);
-        out.busy += b;
-    }
-    out.wall = start.elapsed();
+    let mut out = run_contenders(tasks, &stop, start).await;
     let calls = client_calls(admin, &["set", "del"]).await;
     out.acquire_commands = calls.get("set").copied().unwrap_or(0);
     out.release_commands = calls.get("del").copied().unwrap_or(0);

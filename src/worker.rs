@@ -421,14 +421,8 @@ impl Worker {
     ) -> Commit {
         let id = job_id.unwrap_or(&d.entry_id);
         let mut result = self.base_result(d, id, status, started);
-        result.extend([
-            ("input_tokens", b"0".to_vec()),
-            ("output_tokens", b"0".to_vec()),
-            ("cost_usd", b"0".to_vec()),
-            ("attempts", b"0".to_vec()),
-            ("tried", vec![]),
-            ("error", reason.as_bytes().to_vec()),
-        ]);
+        result.extend(no_call_fields());
+        result.push(("error", reason.as_bytes().to_vec()));
         let mut dead = vec![("job_entry", d.entry_id.as_bytes().to_vec())];
         if let Some(j) = job_id {
             dead.push(("job_id", j.as_bytes().to_vec()));
@@ -684,14 +678,8 @@ impl Worker {
             };
             result.push((k, v));
         }
-        result.extend([
-            ("input_tokens", b"0".to_vec()),
-            ("output_tokens", b"0".to_vec()),
-            ("cost_usd", b"0".to_vec()),
-            ("attempts", b"0".to_vec()),
-            ("tried", vec![]),
-            ("duplicate_of", result_id.as_bytes().to_vec()),
-        ]);
+        result.extend(no_call_fields());
+        result.push(("duplicate_of", result_id.as_bytes().to_vec()));
         if let Some(m) = &job.metadata {
             result.push(("metadata", m.to_string().into_bytes()));
         }
@@ -741,6 +729,17 @@ impl Worker {
             }
         }
     }
+}
+
+/// The usage fields of a result for which no model was called: zero tokens, cost 0.
+fn no_call_fields() -> [(&'static str, Vec<u8>); 5] {
+    [
+        ("input_tokens", b"0".to_vec()),
+        ("output_tokens", b"0".to_vec()),
+        ("cost_usd", b"0".to_vec()),
+        ("attempts", b"0".to_vec()),
+        ("tried", vec![]),
+    ]
 }
 
 /// Stops the keepalive task when the reader loop's drain ends.
