@@ -1,6 +1,6 @@
 //! Slot benchmark (release mode): `cargo run --release --example bench_slots`.
 //!
-//! Starts its own redis-server on a free loopback port and measures, side by side in one
+//! Starts its own redis-server on a free loopback port (`demo::TempRedis`) and measures, side by side in one
 //! run, the fleet-wide slots (`llm_worker::slots`) against the old way (SET NX on each
 //! slot, sleep 100 ms, try again):
 //! - uncontended acquire latency p50/p99 (and a PING round trip for scale);
@@ -12,11 +12,11 @@
 //! waiter task, exactly as separate worker processes would have.
 
 use llm_worker::config::Config;
+use llm_worker::demo::TempRedis;
 use llm_worker::queue::command_pool;
 use llm_worker::slots::Slots;
 use redis::AsyncCommands;
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -265,38 +265,14 @@ fn report(name: &str, mut c: Contended) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("port")
-        .port();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut redis = Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .arg("--dir")
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("redis-server on PATH");
-    let url = format!("redis://127.0.0.1:{port}");
+    let redis = TempRedis::start().await.expect("redis-server on PATH");
+    let url = redis.url.clone();
     let client = redis::Client::open(url.as_str()).expect("client");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut admin = loop {
-        if let Ok(c) = client.get_multiplexed_async_connection().await {
-            break c;
-        }
-        assert!(Instant::now() < deadline, "redis-server did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    // TempRedis::start has waited until it answers.
+    let mut admin = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("admin connection");
 
     // Uncontended.
     let cfg = config(&url, "solo");
@@ -328,7 +304,7 @@ async fn main() {
     }
     bg.cancel();
     println!(
-        "slots benchmark: redis-server 127.0.0.1:{port}, {PROCS} processes x {PER_PROC} contenders on {SLOTS} slots, hold {} ms, {} s per variant",
+        "slots benchmark: redis-server {url}, {PROCS} processes x {PER_PROC} contenders on {SLOTS} slots, hold {} ms, {} s per variant",
         HOLD.as_millis(),
         RUN.as_secs()
     );
@@ -343,6 +319,5 @@ async fn main() {
     let old = contended_polling(&url, &mut admin).await;
     report("slots (hand-off)", new);
     report("old: poll every 100ms", old);
-    let _ = redis.kill();
-    let _ = redis.wait();
+    drop(redis);
 }

@@ -59,10 +59,53 @@ fn other<E: std::fmt::Display>(e: E) -> DemoError {
     DemoError::Other(e.to_string())
 }
 
-/// A redis-server started for the demo; killed on drop.
-struct TempRedis {
+/// A throwaway `redis-server` on a free loopback port (`--save '' --appendonly no`, its
+/// own directory); killed and its directory removed on drop. Used by the demo when no
+/// Redis answers, and by the benchmarks.
+pub struct TempRedis {
     child: std::process::Child,
     dir: std::path::PathBuf,
+    /// `redis://127.0.0.1:<port>`
+    pub url: String,
+}
+
+impl TempRedis {
+    /// Starts one and waits (at most 5 s) until it answers PING.
+    pub async fn start() -> Result<TempRedis, DemoError> {
+        let port = free_port()?;
+        let dir =
+            std::env::temp_dir().join(format!("llm-worker-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(other)?;
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|_| DemoError::NoRedis("(none)".into()))?;
+        let r = TempRedis {
+            child,
+            dir,
+            url: format!("redis://127.0.0.1:{port}"),
+        };
+        let client = redis::Client::open(r.url.as_str()).map_err(other)?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let ping = async {
+                let mut c = client.get_multiplexed_async_connection().await?;
+                redis::cmd("PING").query_async::<String>(&mut c).await
+            };
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(800), ping).await {
+                return Ok(r);
+            }
+            if Instant::now() > deadline {
+                return Err(DemoError::NoRedis(r.url.clone()));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 impl Drop for TempRedis {
@@ -93,32 +136,6 @@ async fn redis_answers(cfg: &Config) -> bool {
 fn free_port() -> Result<u16, DemoError> {
     let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(other)?;
     Ok(l.local_addr().map_err(other)?.port())
-}
-
-async fn start_redis() -> Result<(TempRedis, String), DemoError> {
-    let port = free_port()?;
-    let dir = std::env::temp_dir().join(format!("llm-worker-demo-{}-{port}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(other)?;
-    let child = std::process::Command::new("redis-server")
-        .args([
-            "--port",
-            &port.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .arg("--dir")
-        .arg(&dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|_| DemoError::NoRedis("(none)".into()))?;
-    let r = TempRedis { child, dir };
-    let url = format!("redis://127.0.0.1:{port}");
-    Ok((r, url))
 }
 
 fn sample_jobs(n: usize) -> Vec<serde_json::Value> {
@@ -178,16 +195,9 @@ pub async fn run(
     // Redis: the configured one if it answers (own namespace), else a temporary one.
     let mut _temp = None;
     if args.own_redis || !redis_answers(&cfg).await {
-        let (t, url) = start_redis().await?;
-        cfg.redis.url = url;
+        let t = TempRedis::start().await?;
+        cfg.redis.url = t.url.clone();
         _temp = Some(t);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !redis_answers(&cfg).await {
-            if Instant::now() > deadline {
-                return Err(DemoError::NoRedis(cfg.redis.url.clone()));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
         println!("started a temporary redis-server at {}", cfg.redis.url);
     } else {
         println!(
