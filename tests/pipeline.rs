@@ -673,3 +673,76 @@ async fn provider_requests_per_second_limit_holds() -> anyhow::Result<()> {
     stop_clean(&mut w, Duration::from_secs(10)).await;
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// The harness itself: tests are only as good as the helpers they assert with.
+
+/// Test Redis listens on a unix socket in the test's own temp dir (mode 0700), so no port
+/// race can connect a test to another test's server; the worker takes the `unix://` URL
+/// end to end (one job through the real binary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_redis_is_on_a_private_unix_socket_and_the_worker_uses_it() -> anyhow::Result<()> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let sock = redis.dir.path().join("redis.sock");
+    assert_eq!(
+        url,
+        format!("unix://{}", sock.display()),
+        "test Redis must be on a unix socket in its temp dir"
+    );
+    let meta = std::fs::metadata(&sock)?;
+    assert!(meta.file_type().is_socket(), "{sock:?} is not a socket");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o700, "socket mode");
+
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("unix-1", "hi")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    ok_results_once(&mut conn).await;
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// The TCP variant keeps a port for the tests that need one.
+#[tokio::test]
+async fn harness_tcp_redis_has_a_port() {
+    let redis = RedisServer::start_tcp();
+    assert_eq!(redis.url(), format!("redis://127.0.0.1:{}", redis.port()));
+    let mut conn = redis.conn().await;
+    assert_eq!(xlen(&mut conn, "{llm}:jobs").await, 0);
+}
+
+/// "No slot key left" and "stream empty" must not pass because Redis is gone: the helpers
+/// panic on a Redis error instead of answering empty / 0.
+#[tokio::test]
+async fn harness_helpers_fail_loudly_when_redis_is_down() {
+    let mut redis = RedisServer::start();
+    let conn = redis.conn().await;
+    redis.kill();
+    let mut c = conn.clone();
+    let keys = tokio::spawn(async move { slot_keys(&mut c, "llm").await });
+    let r = tokio::time::timeout(Duration::from_secs(10), keys)
+        .await
+        .expect("slot_keys returned within 10 s");
+    assert!(
+        r.as_ref().is_err_and(|e| e.is_panic()),
+        "slot_keys on a dead Redis answered {r:?} instead of failing"
+    );
+    let mut c = conn.clone();
+    let len = tokio::spawn(async move { xlen(&mut c, "{llm}:results").await });
+    let r = tokio::time::timeout(Duration::from_secs(10), len)
+        .await
+        .expect("xlen returned within 10 s");
+    assert!(
+        r.as_ref().is_err_and(|e| e.is_panic()),
+        "xlen on a dead Redis answered {r:?} instead of failing"
+    );
+}
