@@ -567,14 +567,14 @@ async fn a_slot_is_held_during_every_call_and_none_is_left_after_the_run() {
         .collect();
     b.push(&payloads).await;
     b.spawn_worker();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let (mut checked, mut max_keys) = (0u32, 0usize);
     loop {
         // keys, then the sim's in-flight count, then keys again: a call in flight at the
         // middle sample lasts `latency`, and its slot is held from before it started
         // until after it ended, so one of the two key samples must see it when both are
         // less than `latency` apart.
-        let t0 = std::time::Instant::now();
+        let t0 = tokio::time::Instant::now();
         let before = slot_keys(&mut b.conn, "llm").await;
         let in_flight = b.stats().in_flight;
         let after = slot_keys(&mut b.conn, "llm").await;
@@ -601,7 +601,7 @@ async fn a_slot_is_held_during_every_call_and_none_is_left_after_the_run() {
             break;
         }
         assert!(
-            std::time::Instant::now() < deadline,
+            tokio::time::Instant::now() < deadline,
             "6 results within 30 s\n{}",
             b.log()
         );
@@ -649,7 +649,7 @@ async fn provider_requests_per_second_limit_holds() -> anyhow::Result<()> {
     let cfg_path = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
     push(&mut conn, "llm", &jobs("rps", 20)).await;
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let mut w = WorkerProc::spawn(
         &cfg_path,
         "w1",

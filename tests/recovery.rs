@@ -12,7 +12,8 @@ use llm_worker::sim::{Fault, Rule, SimOptions};
 use rust_decimal::Decimal;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 type Entries = Vec<(String, HashMap<String, String>)>;
 
@@ -149,11 +150,9 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
                     at_risk.extend(job_of.get(&e).cloned());
                 }
                 let t = Instant::now();
-                tokio::task::block_in_place(|| {
-                    redis.stop();
-                    std::thread::sleep(Duration::from_secs(1));
-                    redis.restart();
-                });
+                tokio::task::block_in_place(|| redis.stop());
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::task::block_in_place(|| redis.restart());
                 redis_down_for = Some(t.elapsed());
                 conn = redis.conn().await;
                 // Until the AOF is loaded Redis answers LOADING: wait for a real answer.
@@ -823,4 +822,44 @@ async fn job_deleted_while_pending_is_acknowledged_and_logged() -> anyhow::Resul
     assert_eq!(sim.sim.stats().calls_per_job.get("ghost-1"), None);
     stop_clean(&mut w, Duration::from_secs(10)).await;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The Redis backoff (reader, commit loop, slot waits), on paused tokio time.
+
+/// 100 ms doubling to 5 s, each step sleeping `next x [0.5, 1)`; cut short by the token;
+/// `reset` starts over. Paused time makes the durations exact and the test instant.
+#[tokio::test(start_paused = true)]
+async fn redis_backoff_sleeps_100ms_doubling_to_5s_on_paused_time() {
+    use llm_worker::worker::Backoff;
+    use tokio::time::Instant;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let mut b = Backoff::new();
+    let mut slept = vec![];
+    for _ in 0..8 {
+        let t = Instant::now();
+        b.sleep_jittered(0.0, &cancel).await;
+        slept.push(t.elapsed().as_millis());
+    }
+    assert_eq!(slept, [50, 100, 200, 400, 800, 1600, 2500, 2500]);
+
+    b.reset();
+    let t = Instant::now();
+    b.sleep_jittered(0.999_999, &cancel).await;
+    // Just under `next` (tokio's timer rounds up to the millisecond).
+    let ms = t.elapsed().as_millis();
+    assert!((99..=100).contains(&ms), "full jitter slept {ms} ms");
+
+    // The random-jitter form stays within [next/2, next].
+    let t = Instant::now();
+    b.sleep(&cancel).await;
+    let ms = t.elapsed().as_millis();
+    assert!((100..=200).contains(&ms), "second step slept {ms} ms");
+
+    // A cancelled token ends the sleep at once, and the schedule still advances.
+    cancel.cancel();
+    let t = Instant::now();
+    b.sleep_jittered(0.0, &cancel).await;
+    assert_eq!(t.elapsed(), Duration::ZERO);
+    assert_eq!(b.next, Duration::from_millis(800));
 }

@@ -11,7 +11,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -84,6 +85,9 @@ impl RedisServer {
         self.port
     }
 
+    // Synchronous on purpose (used from Drop-like paths and `block_in_place`), so it polls
+    // with a plain thread sleep.
+    #[allow(clippy::disallowed_methods)]
     fn spawn(&mut self) {
         let mut cmd = Command::new("redis-server");
         if self.tcp {
@@ -148,6 +152,8 @@ impl RedisServer {
     }
 
     /// Stops with SHUTDOWN-like semantics (SIGTERM: AOF is flushed) and waits.
+    /// Blocking (thread sleep between polls): call it from `block_in_place` in async tests.
+    #[allow(clippy::disallowed_methods)]
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             signal(c.id(), libc_sig::TERM);
@@ -678,6 +684,7 @@ impl BinOutput {
 /// Runs the real binary with `args` and only the environment `env` on top of a scrubbed
 /// one ([`scrub_env`]); killed after `timeout`. Blocking: call it from
 /// `tokio::task::spawn_blocking` inside async tests.
+#[allow(clippy::disallowed_methods)] // blocking by design, run on its own thread
 pub fn run_bin(args: &[&str], env: &[(&str, &str)], timeout: Duration) -> BinOutput {
     let mut cmd = Command::new(bin());
     cmd.args(args);
