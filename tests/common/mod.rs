@@ -800,3 +800,74 @@ pub async fn pending_count(
         other => panic!("unexpected XPENDING reply {other:?}"),
     }
 }
+
+/// Names of the consumers of `group` on `stream` (XINFO CONSUMERS). Panics when Redis
+/// does not answer; an absent group or stream is no consumer.
+pub async fn consumers(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    group: &str,
+) -> Vec<String> {
+    let r: redis::RedisResult<Vec<HashMap<String, redis::Value>>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream)
+        .arg(group)
+        .query_async(conn)
+        .await;
+    match r {
+        Ok(list) => list
+            .into_iter()
+            .filter_map(|c| c.get("name").cloned())
+            .map(|v| redis::from_redis_value::<String>(v).expect("consumer name"))
+            .collect(),
+        Err(e) if e.to_string().contains("no such key") || e.to_string().contains("NOGROUP") => {
+            vec![]
+        }
+        Err(e) => panic!("XINFO CONSUMERS {stream} {group}: {e}"),
+    }
+}
+
+/// Waits until every consumer in `names` is registered in `group` of `stream`. On Redis
+/// 7.0 a consumer is registered once a read returned it an entry, so this says "has taken
+/// a job", not "is reading" (for that, [`wait_readers`]).
+pub async fn wait_consumers(
+    conn: &redis::aio::MultiplexedConnection,
+    stream: &str,
+    group: &str,
+    names: &[&str],
+    timeout: Duration,
+) -> bool {
+    wait_for(timeout, || {
+        let mut c = conn.clone();
+        async move {
+            let have = consumers(&mut c, stream, group).await;
+            names.iter().all(|n| have.iter().any(|h| h == n))
+        }
+    })
+    .await
+}
+
+/// Waits until at least `n` client connections have XREADGROUP as their last command
+/// (CLIENT LIST): that many workers are in their read loop. (XINFO CONSUMERS is no such
+/// signal: Redis 7.0 registers a consumer only once a read returns an entry.)
+pub async fn wait_readers(
+    conn: &redis::aio::MultiplexedConnection,
+    n: usize,
+    timeout: Duration,
+) -> bool {
+    wait_for(timeout, || {
+        let mut c = conn.clone();
+        async move {
+            let list: String = redis::cmd("CLIENT")
+                .arg("LIST")
+                .query_async(&mut c)
+                .await
+                .unwrap_or_else(|e| panic!("CLIENT LIST: {e}"));
+            list.lines()
+                .filter(|l| l.contains("cmd=xreadgroup"))
+                .count()
+                >= n
+        }
+    })
+    .await
+}
