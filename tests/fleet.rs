@@ -108,8 +108,7 @@ async fn mixed_n_uses_the_recorded_n() -> anyhow::Result<()> {
         async move {
             c.get::<_, Option<u32>>("{llm}:poolsize:default")
                 .await
-                .ok()
-                .flatten()
+                .unwrap_or_else(|e| panic!("GET poolsize: {e}"))
                 .is_some()
         }
     })
@@ -393,8 +392,7 @@ async fn handoff_reaches_a_waiter_in_another_process_at_once() -> anyhow::Result
             async move {
                 c.zscore::<_, _, Option<f64>>("{llm}:slotq:default", tok)
                     .await
-                    .ok()
-                    .flatten()
+                    .unwrap_or_else(|e| panic!("ZSCORE slotq: {e}"))
                     .is_some()
             }
         })

@@ -50,8 +50,8 @@ fn by_job(results: &Entries) -> BTreeMap<String, Vec<&HashMap<String, String>>> 
     m
 }
 
-/// Entry ids pending in the group, optionally only those of one consumer (empty when
-/// Redis does not answer).
+/// Entry ids pending in the group, optionally only those of one consumer. Panics when
+/// Redis does not answer (an outage must not read as "nothing pending").
 async fn pending_entries(
     conn: &mut redis::aio::MultiplexedConnection,
     consumer: Option<&str>,
@@ -67,7 +67,7 @@ async fn pending_entries(
     }
     let r: Result<Vec<(String, String, u64, u64)>, _> = cmd.query_async(conn).await;
     r.map(|v| v.into_iter().map(|(id, ..)| id).collect())
-        .unwrap_or_default()
+        .unwrap_or_else(|e| panic!("XPENDING {{llm}}:jobs: Redis did not answer ({e})"))
 }
 
 // ---------------------------------------------------------------------------------------
