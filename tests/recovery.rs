@@ -613,7 +613,7 @@ async fn poison_job_lands_in_dead_after_max_deliveries() -> anyhow::Result<()> {
 async fn duplicate_ids_make_one_model_call_and_five_results() -> anyhow::Result<()> {
     let redis = RedisServer::start();
     let sim = SimHandle::start(SimOptions {
-        latency_ms: 300,
+        latency_ms: 1000, // long enough that the last copies surely arrive while it runs
         ..SimOptions::default()
     })
     .await;
