@@ -19,7 +19,8 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::process::Stdio;
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 const DEMO_CONFIG: &str = include_str!("../config/demo.toml");

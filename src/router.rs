@@ -233,6 +233,61 @@ mod tests {
         assert!(p.backoff(60, 0.99) <= Duration::from_millis(8000));
     }
 
+    /// The schedule as the worker sleeps it (`tokio::time::sleep(after)` per
+    /// `RetryAfter`), on paused tokio time: exact durations, no wall-clock wait.
+    #[tokio::test(start_paused = true)]
+    async fn backoff_schedule_sleeps_exact_durations_on_paused_time() {
+        let mut p = plan();
+        let started = tokio::time::Instant::now();
+        let mut slept = vec![];
+        loop {
+            p.record_attempt();
+            match p.on_error(&ErrorClass::Transient, 0.0) {
+                Decision::RetryAfter(d) => {
+                    let t = tokio::time::Instant::now();
+                    tokio::time::sleep(d).await;
+                    slept.push(t.elapsed().as_millis());
+                }
+                Decision::Switch(_) => slept.push(0),
+                Decision::Fail => break,
+            }
+        }
+        // Per model: 2 retries (250 ms, 500 ms at jitter 0), then a switch without waiting.
+        assert_eq!(slept, [250, 500, 0, 250, 500, 0, 250, 500]);
+        assert_eq!(started.elapsed(), Duration::from_millis(2250));
+
+        // Without a per-model limit the delay doubles from base/2 up to max_delay/2 at
+        // jitter 0, and to max_delay at full jitter.
+        let mut long = Plan::new(
+            vec![cand("a", "p1", 1000)],
+            RetryPolicy {
+                max_attempts_per_model: 100,
+                ..policy()
+            },
+        );
+        let mut low = vec![];
+        let mut high = vec![];
+        for i in 0..7 {
+            long.record_attempt();
+            let jitter = if i % 2 == 0 { 0.0 } else { 0.999_999 };
+            let Decision::RetryAfter(d) = long.on_error(&ErrorClass::Transient, jitter) else {
+                panic!("retry expected at attempt {i}");
+            };
+            let t = tokio::time::Instant::now();
+            tokio::time::sleep(d).await;
+            let ms = t.elapsed().as_millis();
+            if jitter == 0.0 {
+                low.push(ms)
+            } else {
+                high.push(ms)
+            }
+        }
+        // Attempts 1, 3, 5, 7 at jitter 0: 250, 1000, 4000, 4000 (capped at 8000 / 2).
+        assert_eq!(low, [250, 1000, 4000, 4000]);
+        // Attempts 2, 4, 6 at full jitter: just under 1000, 4000, 8000.
+        assert_eq!(high, [999, 3999, 7999]);
+    }
+
     #[test]
     fn rate_limit_waits_as_told_unless_above_cap() {
         let mut p = plan();

@@ -31,8 +31,9 @@ use redis::aio::MultiplexedConnection;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// How long a waiting process counts as alive without refreshing (it refreshes at least

@@ -19,8 +19,9 @@ use rust_decimal::Decimal;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -782,12 +783,25 @@ impl Backoff {
     }
     /// Sleeps (cut short by `cancel`) and doubles the next delay.
     pub async fn sleep(&mut self, cancel: &CancellationToken) {
-        let d = self.next.mul_f64(0.5 + rand::random::<f64>() / 2.0);
-        self.next = (self.next * 2).min(Duration::from_secs(5));
+        self.sleep_jittered(rand::random::<f64>(), cancel).await;
+    }
+
+    /// [`Backoff::sleep`] with the jitter given (in [0, 1)): sleeps `next * (1 + jitter) / 2`
+    /// on tokio's clock, so a test with `tokio::time::pause()` sees exact durations.
+    pub async fn sleep_jittered(&mut self, jitter: f64, cancel: &CancellationToken) {
+        let d = self.next_delay(jitter);
         tokio::select! {
             _ = tokio::time::sleep(d) => {}
             _ = cancel.cancelled() => {}
         }
+    }
+
+    /// The delay of this step (`next` x a factor in [0.5, 1) from `jitter`), and doubles
+    /// `next` up to 5 s.
+    pub fn next_delay(&mut self, jitter: f64) -> Duration {
+        let d = self.next.mul_f64(0.5 + jitter.clamp(0.0, 1.0) / 2.0);
+        self.next = (self.next * 2).min(Duration::from_secs(5));
+        d
     }
 }
 

@@ -12,7 +12,8 @@ use redis::AsyncCommands;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 type Conn = redis::aio::MultiplexedConnection;
@@ -107,8 +108,7 @@ async fn mixed_n_uses_the_recorded_n() -> anyhow::Result<()> {
         async move {
             c.get::<_, Option<u32>>("{llm}:poolsize:default")
                 .await
-                .ok()
-                .flatten()
+                .unwrap_or_else(|e| panic!("GET poolsize: {e}"))
                 .is_some()
         }
     })
@@ -392,8 +392,7 @@ async fn handoff_reaches_a_waiter_in_another_process_at_once() -> anyhow::Result
             async move {
                 c.zscore::<_, _, Option<f64>>("{llm}:slotq:default", tok)
                     .await
-                    .ok()
-                    .flatten()
+                    .unwrap_or_else(|e| panic!("ZSCORE slotq: {e}"))
                     .is_some()
             }
         })

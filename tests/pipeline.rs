@@ -4,7 +4,6 @@
 mod common;
 
 use common::*;
-use llm_worker::cost::{self, Price, Usage};
 use llm_worker::sim::SimOptions;
 use rust_decimal::Decimal;
 use std::str::FromStr;
@@ -57,18 +56,11 @@ async fn three_hundred_jobs_all_ok_and_cost_matches_billed_tokens_exactly() -> a
 
     let stats = sim.sim.stats();
     let b = &stats.billed["m1"];
-    let price = Price {
-        input_per_mtok: Decimal::from_str("0.14")?,
-        output_per_mtok: Decimal::from_str("0.42")?,
-        cached_input_per_mtok: Some(Decimal::from_str("0.028")?),
-    };
-    let expected = cost::cost(
-        &Usage {
-            prompt_tokens: b.prompt_tokens,
-            completion_tokens: b.completion_tokens,
-            cached_tokens: b.cached_tokens,
-        },
-        &price,
+    // m1 at 0.14 / 0.028 (cached) / 0.42 USD per Mtok, priced by hand.
+    let expected = usd_m1(
+        b.prompt_tokens - b.cached_tokens,
+        b.cached_tokens,
+        b.completion_tokens,
     );
     assert!(b.cached_tokens > 0, "cached pricing is exercised");
     assert_eq!(
@@ -77,7 +69,7 @@ async fn three_hundred_jobs_all_ok_and_cost_matches_billed_tokens_exactly() -> a
     );
     // The Redis running totals agree, in integer pico-dollars.
     let picos: i64 = redis::AsyncCommands::hget(&mut conn, "{llm}:cost", "m1:cost_picos").await?;
-    assert_eq!(cost::from_picos(picos), expected);
+    assert_eq!(Decimal::new(picos, 12), expected);
     // Acknowledged and removed: nothing pending, nothing left in the jobs stream.
     assert_eq!(
         pending_count(&mut conn, "{llm}:jobs", "workers").await,
@@ -193,24 +185,17 @@ fn total_calls(stats: &SimStats, model: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn price(input: &str, output: &str, cached: Option<&str>) -> Price {
-    Price {
-        input_per_mtok: Decimal::from_str(input).unwrap(),
-        output_per_mtok: Decimal::from_str(output).unwrap(),
-        cached_input_per_mtok: cached.map(|c| Decimal::from_str(c).unwrap()),
-    }
+/// USD for m1 tokens, priced by hand from the test config (0.14 USD/Mtok input, 0.028
+/// cached input, 0.42 output = 140 / 28 / 420 nano-USD per token); not the crate's
+/// `cost::cost`, so a pricing bug there cannot cancel out.
+fn usd_m1(uncached_in: u64, cached_in: u64, out: u64) -> Decimal {
+    Decimal::new((140 * uncached_in + 28 * cached_in + 420 * out) as i64, 9)
 }
 
-fn billed_cost(stats: &SimStats, model: &str, price: &Price) -> Decimal {
-    let b = stats.billed.get(model).cloned().unwrap_or_default();
-    cost::cost(
-        &Usage {
-            prompt_tokens: b.prompt_tokens,
-            completion_tokens: b.completion_tokens,
-            cached_tokens: b.cached_tokens,
-        },
-        price,
-    )
+/// USD for m2 tokens, by hand (0.10 USD/Mtok input, 2.50 output = 100 / 2,500 nano-USD
+/// per token; no cached price, so cached tokens cost the input price).
+fn usd_m2(input: u64, out: u64) -> Decimal {
+    Decimal::new((100 * input + 2500 * out) as i64, 9)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -245,7 +230,8 @@ async fn fallback_when_first_model_always_503_results_come_from_second() {
         assert_eq!(st.calls_per_job[&format!("fb-{i}")], 4, "{st:?}");
     }
     // The 503s reported no usage: only m2's answers are billed.
-    assert_eq!(sum, billed_cost(&st, "m2", &price("0.10", "2.50", None)));
+    let billed = &st.billed["m2"];
+    assert_eq!(sum, usd_m2(billed.prompt_tokens, billed.completion_tokens));
     assert!(sum > Decimal::ZERO);
     b.shutdown().await;
 }
@@ -567,14 +553,14 @@ async fn a_slot_is_held_during_every_call_and_none_is_left_after_the_run() {
         .collect();
     b.push(&payloads).await;
     b.spawn_worker();
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let (mut checked, mut max_keys) = (0u32, 0usize);
     loop {
         // keys, then the sim's in-flight count, then keys again: a call in flight at the
         // middle sample lasts `latency`, and its slot is held from before it started
         // until after it ended, so one of the two key samples must see it when both are
         // less than `latency` apart.
-        let t0 = std::time::Instant::now();
+        let t0 = tokio::time::Instant::now();
         let before = slot_keys(&mut b.conn, "llm").await;
         let in_flight = b.stats().in_flight;
         let after = slot_keys(&mut b.conn, "llm").await;
@@ -601,7 +587,7 @@ async fn a_slot_is_held_during_every_call_and_none_is_left_after_the_run() {
             break;
         }
         assert!(
-            std::time::Instant::now() < deadline,
+            tokio::time::Instant::now() < deadline,
             "6 results within 30 s\n{}",
             b.log()
         );
@@ -649,7 +635,7 @@ async fn provider_requests_per_second_limit_holds() -> anyhow::Result<()> {
     let cfg_path = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
     push(&mut conn, "llm", &jobs("rps", 20)).await;
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let mut w = WorkerProc::spawn(
         &cfg_path,
         "w1",
@@ -672,4 +658,106 @@ async fn provider_requests_per_second_limit_holds() -> anyhow::Result<()> {
     );
     stop_clean(&mut w, Duration::from_secs(10)).await;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The harness itself: tests are only as good as the helpers they assert with.
+
+/// Test Redis listens on a unix socket in the test's own temp dir (mode 0700), so no port
+/// race can connect a test to another test's server; the worker takes the `unix://` URL
+/// end to end (one job through the real binary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn harness_redis_is_on_a_private_unix_socket_and_the_worker_uses_it() -> anyhow::Result<()> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let redis = RedisServer::start();
+    let url = redis.url();
+    let sock = redis.dir.path().join("redis.sock");
+    assert_eq!(
+        url,
+        format!("unix://{}", sock.display()),
+        "test Redis must be on a unix socket in its temp dir"
+    );
+    let meta = std::fs::metadata(&sock)?;
+    assert!(meta.file_type().is_socket(), "{sock:?} is not a socket");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o700, "socket mode");
+
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("unix-1", "hi")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    ok_results_once(&mut conn).await;
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// The TCP variant keeps a port for the tests that need one.
+#[tokio::test]
+async fn harness_tcp_redis_has_a_port() {
+    let redis = RedisServer::start_tcp();
+    assert_eq!(redis.url(), format!("redis://127.0.0.1:{}", redis.port()));
+    let mut conn = redis.conn().await;
+    assert_eq!(xlen(&mut conn, "{llm}:jobs").await, 0);
+}
+
+/// "No slot key left" and "stream empty" must not pass because Redis is gone: the helpers
+/// panic on a Redis error instead of answering empty / 0.
+#[tokio::test]
+async fn harness_helpers_fail_loudly_when_redis_is_down() {
+    let mut redis = RedisServer::start();
+    let conn = redis.conn().await;
+    redis.kill();
+    let mut c = conn.clone();
+    let keys = tokio::spawn(async move { slot_keys(&mut c, "llm").await });
+    let r = tokio::time::timeout(Duration::from_secs(10), keys)
+        .await
+        .expect("slot_keys returned within 10 s");
+    assert!(
+        r.as_ref().is_err_and(|e| e.is_panic()),
+        "slot_keys on a dead Redis answered {r:?} instead of failing"
+    );
+    let mut c = conn.clone();
+    let len = tokio::spawn(async move { xlen(&mut c, "{llm}:results").await });
+    let r = tokio::time::timeout(Duration::from_secs(10), len)
+        .await
+        .expect("xlen returned within 10 s");
+    assert!(
+        r.as_ref().is_err_and(|e| e.is_panic()),
+        "xlen on a dead Redis answered {r:?} instead of failing"
+    );
+}
+
+/// One job whose cost is known in advance, as a literal: 3,184 characters are
+/// 4 + 3184 / 4 = 800 prompt tokens (the sim's rule; within m1's 1,000-token window),
+/// `max_tokens: 1` caps the completion at 1 token; m1 costs 800 x 0.14 / 1e6 = 0.000112
+/// plus 1 x 0.42 / 1e6 = 0.00000042, together 0.00011242 USD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_job_costs_a_hand_computed_literal() {
+    let mut b = Bench::new(SimOptions::default()).await;
+    let payload = serde_json::json!({
+        "id": "priced",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "x".repeat(3184)}],
+    })
+    .to_string();
+    b.push(&[payload]).await;
+    b.spawn_worker();
+    let results = b.results(1).await;
+    let r = results.values().next().expect("one result");
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m1", "{r:?}");
+    assert_eq!(r["input_tokens"], "800", "{r:?}");
+    assert_eq!(r["output_tokens"], "1", "{r:?}");
+    assert_eq!(
+        Decimal::from_str(&r["cost_usd"]).unwrap(),
+        Decimal::from_str("0.00011242").unwrap(),
+        "{r:?}"
+    );
+    b.shutdown().await;
 }

@@ -12,7 +12,8 @@ use llm_worker::sim::{Fault, Rule, SimOptions};
 use rust_decimal::Decimal;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::str::FromStr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 type Entries = Vec<(String, HashMap<String, String>)>;
 
@@ -49,8 +50,8 @@ fn by_job(results: &Entries) -> BTreeMap<String, Vec<&HashMap<String, String>>> 
     m
 }
 
-/// Entry ids pending in the group, optionally only those of one consumer (empty when
-/// Redis does not answer).
+/// Entry ids pending in the group, optionally only those of one consumer. Panics when
+/// Redis does not answer (an outage must not read as "nothing pending").
 async fn pending_entries(
     conn: &mut redis::aio::MultiplexedConnection,
     consumer: Option<&str>,
@@ -66,7 +67,7 @@ async fn pending_entries(
     }
     let r: Result<Vec<(String, String, u64, u64)>, _> = cmd.query_async(conn).await;
     r.map(|v| v.into_iter().map(|(id, ..)| id).collect())
-        .unwrap_or_default()
+        .unwrap_or_else(|e| panic!("XPENDING {{llm}}:jobs: Redis did not answer ({e})"))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -75,6 +76,32 @@ async fn pending_entries(
 const CHAOS_JOBS: usize = 1000;
 const CHAOS_WORKERS: usize = 4;
 const CHAOS_CONCURRENCY: usize = 4;
+/// N of pool `default` in the chaos run.
+const CHAOS_SLOTS: u32 = 8;
+
+/// USD for tokens of model m1, priced by hand from the test config (0.14 USD/Mtok input,
+/// 0.028 cached input, 0.42 output): in units of 1e-9 USD, 140 / 28 / 420 per token. Not the
+/// crate's `cost::cost`, so a pricing bug there cannot cancel out.
+fn chaos_usd(uncached_in: u64, cached_in: u64, out: u64) -> Decimal {
+    let nano = 140 * uncached_in + 28 * cached_in + 420 * out;
+    Decimal::new(i64::try_from(nano).expect("fits"), 9)
+}
+
+/// The price of one call for a job payload, from the sim's published token rules
+/// (prompt: 4 + ceil(chars / 4) per message; completion: its deterministic hash).
+fn chaos_call_usd(payload: &str) -> Decimal {
+    let body: serde_json::Value = serde_json::from_str(payload).expect("job json");
+    chaos_usd(
+        llm_worker::sim::estimate_prompt_tokens(&body),
+        0,
+        llm_worker::sim::completion_tokens_for(&body),
+    )
+}
+
+/// The last 30 lines of a worker's log, for assertion messages.
+fn tail_of(w: &WorkerProc) -> String {
+    logs_tail(&[w], 30)
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
@@ -87,7 +114,7 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
     })
     .await;
     let mut tc = TestConfig::new(&redis, &sim);
-    tc.slots = 8;
+    tc.slots = CHAOS_SLOTS;
     tc.ttl_ms = 2000;
     tc.concurrency = CHAOS_CONCURRENCY;
     let dir = tempfile::tempdir()?;
@@ -149,11 +176,9 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
                     at_risk.extend(job_of.get(&e).cloned());
                 }
                 let t = Instant::now();
-                tokio::task::block_in_place(|| {
-                    redis.stop();
-                    std::thread::sleep(Duration::from_secs(1));
-                    redis.restart();
-                });
+                tokio::task::block_in_place(|| redis.stop());
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                tokio::task::block_in_place(|| redis.restart());
                 redis_down_for = Some(t.elapsed());
                 conn = redis.conn().await;
                 // Until the AOF is loaded Redis answers LOADING: wait for a real answer.
@@ -184,8 +209,19 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let run_time = started.elapsed();
-    // Nothing more may arrive (a second result would show up here).
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Stop the survivors cleanly: after their exit nothing more can arrive, so a second
+    // result or a late call would show up below.
+    for (_, w) in workers.iter_mut() {
+        w.signal(libc_sig::TERM);
+    }
+    for (name, w) in workers.iter_mut() {
+        let status = wait_exit(w, Duration::from_secs(20)).await;
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{name} did not exit 0 after SIGTERM: {status:?}\n{}",
+            tail_of(w)
+        );
+    }
 
     let results = entries(&mut conn, "{llm}:results").await;
     let dead = entries(&mut conn, "{llm}:dead").await;
@@ -195,46 +231,81 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
     let mut lost = vec![];
     let mut doubled = vec![];
     let mut bad_status = vec![];
+    let mut wrong_cost = vec![];
     let mut attempts_sum = 0u64;
-    for id in &ids {
+    // Calls the provider saw beyond the ones results account for, per job.
+    let mut unrecorded: BTreeMap<String, u64> = BTreeMap::new();
+    let mut results_usd = Decimal::ZERO;
+    let mut unrecorded_usd = Decimal::ZERO;
+    for (id, payload) in ids.iter().zip(&payloads) {
+        let per_call = chaos_call_usd(payload);
+        let calls = stats.calls_per_job.get(id).copied().unwrap_or(0);
         match grouped.get(id).map(Vec::as_slice) {
             None | Some([]) => lost.push(id.clone()),
             Some([r]) => {
-                attempts_sum += r["attempts"].parse::<u64>().unwrap_or(0);
+                let attempts: u64 = r["attempts"].parse()?;
+                attempts_sum += attempts;
+                let cost = Decimal::from_str(&r["cost_usd"])?;
+                results_usd += cost;
                 match r["status"].as_str() {
-                    "ok" => {}
+                    "ok" if attempts >= 1 => {}
                     "dead" if dead_grouped.get(id).map(Vec::len) == Some(1) => {}
                     _ => bad_status.push((*r).clone()),
+                }
+                // Every attempt of a job is the same request, so its price is known.
+                if cost != per_call * Decimal::from(attempts) {
+                    wrong_cost.push((id.clone(), attempts, cost, per_call));
+                }
+                assert!(
+                    calls >= attempts,
+                    "{id}: the result counts {attempts} attempts, the provider saw {calls} calls"
+                );
+                if calls > attempts {
+                    unrecorded.insert(id.clone(), calls - attempts);
+                    unrecorded_usd += per_call * Decimal::from(calls - attempts);
                 }
             }
             Some(_) => doubled.push(id.clone()),
         }
     }
     let calls_total: u64 = stats.calls_per_job.values().sum();
-    let dup_jobs: Vec<(&String, &u64)> = stats
-        .calls_per_job
-        .iter()
-        .filter(|(_, n)| **n > 1)
-        .collect();
-    let dup_calls: u64 = dup_jobs.iter().map(|(_, n)| **n - 1).sum();
+    let billed = stats.billed.get("m1").cloned().unwrap_or_default();
+    let billed_usd = chaos_usd(
+        billed.prompt_tokens - billed.cached_tokens,
+        billed.cached_tokens,
+        billed.completion_tokens,
+    );
     let dead_count = grouped
         .values()
         .filter(|v| v.iter().any(|r| r["status"] == "dead"))
         .count();
     let pending = pending_count(&mut conn, "{llm}:jobs", "workers").await;
+    // Killed workers' leases end by their TTL (2 s); clean exits released their own.
+    let slots_free = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move { slot_keys(&mut c, "llm").await.is_empty() }
+    })
+    .await;
+    let extra_calls: u64 = unrecorded.values().sum();
     // A killed worker can have paid for at most `concurrency` calls it never committed; the
     // one Redis restart can at worst make every worker's in-flight jobs look stalled once.
     let bound = kills * CHAOS_CONCURRENCY + CHAOS_WORKERS * CHAOS_CONCURRENCY;
     println!(
         "chaos: jobs {CHAOS_JOBS}, kills {kills}, redis restarts 1 (down {:?}), results {}, \
-         dead letters {} ({dead_count} dead results), duplicates paid: {} jobs / {dup_calls} \
-         extra calls (bound {bound}; {} jobs were at risk), provider calls {calls_total} vs attempts in results \
-         {attempts_sum}, lost {}, doubled {}, run {:.1?}",
+         dead letters {} ({dead_count} dead results), paid but unrecorded: {} jobs / \
+         {extra_calls} calls (bound {bound}; {} jobs were at risk), provider calls \
+         {calls_total} = attempts in results {attempts_sum} + {extra_calls}, most in flight \
+         {} (N = {CHAOS_SLOTS}), billed answers {} ({} calls cut off unbilled), billed \
+         {billed_usd} USD (results {results_usd}, unrecorded calls at most {unrecorded_usd}), \
+         lost {}, doubled {}, run {:.1?}",
         redis_down_for.unwrap_or_default(),
         results.len(),
         dead.len(),
-        dup_jobs.len(),
+        unrecorded.len(),
         at_risk.len(),
+        stats.max_in_flight,
+        billed.responses,
+        calls_total.saturating_sub(billed.responses),
         lost.len(),
         doubled.len(),
         run_time,
@@ -255,32 +326,54 @@ async fn chaos_kills_and_a_redis_restart_lose_nothing() -> anyhow::Result<()> {
     assert!(bad_status.is_empty(), "unexpected results: {bad_status:?}");
     assert_eq!(results.len(), CHAOS_JOBS, "one result per job");
     assert_eq!(pending, 0, "nothing left pending");
-    for id in &ids {
-        if grouped[id][0]["status"] == "ok" {
-            assert!(
-                stats.calls_per_job.get(id).copied().unwrap_or(0) >= 1,
-                "{id} has an ok result but no provider call"
-            );
-        }
-    }
-    assert_eq!(
-        calls_total - dup_calls,
-        stats.calls_per_job.len() as u64,
-        "calls are one per job plus the duplicates"
+    assert!(
+        slots_free,
+        "slot keys left: {:?}",
+        slot_keys(&mut conn, "llm").await
     );
     assert!(
-        dup_jobs.len() <= bound,
-        "{} jobs paid twice or more, more than {kills} kills x {CHAOS_CONCURRENCY} + one \
-         restart explain: {dup_jobs:?}",
-        dup_jobs.len()
+        stats.max_in_flight <= CHAOS_SLOTS as u64,
+        "the provider saw {} calls at once, more than N = {CHAOS_SLOTS}",
+        stats.max_in_flight
     );
-    let unexplained: Vec<&(&String, &u64)> = dup_jobs
+    assert!(
+        wrong_cost.is_empty(),
+        "results whose cost is not attempts x the job's price (id, attempts, cost, per call): \
+         {:?}",
+        &wrong_cost[..wrong_cost.len().min(10)]
+    );
+    let unexplained: Vec<(&String, &u64)> = unrecorded
         .iter()
         .filter(|(id, _)| !at_risk.contains(*id))
         .collect();
     assert!(
         unexplained.is_empty(),
-        "jobs paid twice that no kill or restart explains: {unexplained:?}"
+        "calls no result accounts for and no kill or restart explains: {unexplained:?}"
+    );
+    assert_eq!(
+        attempts_sum + extra_calls,
+        calls_total,
+        "provider calls = attempts in results + calls of killed workers"
+    );
+    assert!(
+        unrecorded.len() <= bound,
+        "{} jobs paid without a result, more than {kills} kills x {CHAOS_CONCURRENCY} + one \
+         restart explain: {unrecorded:?}",
+        unrecorded.len()
+    );
+    // Money: every result is billed, and what the provider billed beyond the results is
+    // paid-but-unrecorded calls of killed workers (a call cut off by SIGKILL before its
+    // answer is not billed, so this is a bound, not an equality).
+    assert!(
+        billed.responses >= attempts_sum,
+        "{attempts_sum} attempts in results but only {} billed answers",
+        billed.responses
+    );
+    assert!(
+        results_usd <= billed_usd && billed_usd <= results_usd + unrecorded_usd,
+        "billed {billed_usd} USD is not within results {results_usd} .. results + unrecorded \
+         calls {}",
+        results_usd + unrecorded_usd
     );
     assert!(kills >= 5, "the run saw only {kills} kills");
     drop(dead_workers);
@@ -520,27 +613,43 @@ async fn poison_job_lands_in_dead_after_max_deliveries() -> anyhow::Result<()> {
 async fn duplicate_ids_make_one_model_call_and_five_results() -> anyhow::Result<()> {
     let redis = RedisServer::start();
     let sim = SimHandle::start(SimOptions {
-        latency_ms: 300,
+        latency_ms: 1000, // long enough that the last copies surely arrive while it runs
         ..SimOptions::default()
     })
     .await;
     let tc = TestConfig::new(&redis, &sim);
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "dup.toml");
-    let w1 = WorkerProc::spawn(&cfg, "dup-w1", &[]);
-    let w2 = WorkerProc::spawn(&cfg, "dup-w2", &[]);
+    let mut w1 = WorkerProc::spawn(&cfg, "dup-w1", &[]);
+    let mut w2 = WorkerProc::spawn(&cfg, "dup-w2", &[]);
     let mut conn = redis.conn().await;
-    // Let both workers reach their read loop, so the copies spread over both.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Both workers in their read loop (blocked in XREADGROUP), so the copies spread over
+    // both.
+    assert!(
+        wait_readers(&conn, 2, Duration::from_secs(15)).await,
+        "both workers reading\n{}",
+        logs_tail(&[&w1, &w2], 30)
+    );
     let p = job("same-id", "say it once");
     // Three copies in one pipeline (concurrent), then two more while the call runs.
     let mut entry_ids = push(&mut conn, "llm", &[p.clone(), p.clone(), p.clone()]).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        in_flight_at_least(&sim, 1, Duration::from_secs(10)).await,
+        "the call did not start"
+    );
     entry_ids.extend(push(&mut conn, "llm", std::slice::from_ref(&p)).await);
     entry_ids.extend(push(&mut conn, "llm", std::slice::from_ref(&p)).await);
+    assert_eq!(
+        sim.sim.stats().in_flight,
+        1,
+        "the last copies were pushed while the call ran"
+    );
     let waited = wait_len(&mut conn, "{llm}:results", 5, Duration::from_secs(20)).await;
     context(waited, &[&w1, &w2])?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // After both exit cleanly nothing more can arrive: a sixth result or a second call
+    // would show below.
+    stop_clean(&mut w1, Duration::from_secs(15)).await;
+    stop_clean(&mut w2, Duration::from_secs(15)).await;
 
     let results = entries(&mut conn, "{llm}:results").await;
     assert_eq!(results.len(), 5, "{results:?}");
@@ -605,8 +714,11 @@ async fn long_call_is_not_stolen_by_an_idle_worker() -> anyhow::Result<()> {
     let entry = push(&mut conn, "llm", &[job("long-1", "take your time")]).await;
     let waited = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await;
     context(waited, &[&w1, &w2])?;
-    // A second call would have started while the first ran; give a late one time to show.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A takeover would have started a second call while the first ran (claim_idle 1 s,
+    // call 3 s); a clean stop lets any such call finish, so it is counted below.
+    stop_clean(&mut w1, Duration::from_secs(15)).await;
+    stop_clean(&mut w2, Duration::from_secs(15)).await;
+    assert_eq!(sim.sim.stats().in_flight, 0);
     assert_eq!(sim_calls(&sim, "long-1"), 1, "one model call, not two");
     let results = entries(&mut conn, "{llm}:results").await;
     assert_eq!(results.len(), 1, "{results:?}");
@@ -620,7 +732,6 @@ async fn long_call_is_not_stolen_by_an_idle_worker() -> anyhow::Result<()> {
         "the call really outlived claim_idle_ms: {latency} ms"
     );
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
-    assert!(running(&mut w1) && running(&mut w2));
     Ok(())
 }
 
@@ -823,4 +934,44 @@ async fn job_deleted_while_pending_is_acknowledged_and_logged() -> anyhow::Resul
     assert_eq!(sim.sim.stats().calls_per_job.get("ghost-1"), None);
     stop_clean(&mut w, Duration::from_secs(10)).await;
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// The Redis backoff (reader, commit loop, slot waits), on paused tokio time.
+
+/// 100 ms doubling to 5 s, each step sleeping `next x [0.5, 1)`; cut short by the token;
+/// `reset` starts over. Paused time makes the durations exact and the test instant.
+#[tokio::test(start_paused = true)]
+async fn redis_backoff_sleeps_100ms_doubling_to_5s_on_paused_time() {
+    use llm_worker::worker::Backoff;
+    use tokio::time::Instant;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let mut b = Backoff::new();
+    let mut slept = vec![];
+    for _ in 0..8 {
+        let t = Instant::now();
+        b.sleep_jittered(0.0, &cancel).await;
+        slept.push(t.elapsed().as_millis());
+    }
+    assert_eq!(slept, [50, 100, 200, 400, 800, 1600, 2500, 2500]);
+
+    b.reset();
+    let t = Instant::now();
+    b.sleep_jittered(0.999_999, &cancel).await;
+    // Just under `next` (tokio's timer rounds up to the millisecond).
+    let ms = t.elapsed().as_millis();
+    assert!((99..=100).contains(&ms), "full jitter slept {ms} ms");
+
+    // The random-jitter form stays within [next/2, next].
+    let t = Instant::now();
+    b.sleep(&cancel).await;
+    let ms = t.elapsed().as_millis();
+    assert!((100..=200).contains(&ms), "second step slept {ms} ms");
+
+    // A cancelled token ends the sleep at once, and the schedule still advances.
+    cancel.cancel();
+    let t = Instant::now();
+    b.sleep_jittered(0.0, &cancel).await;
+    assert_eq!(t.elapsed(), Duration::ZERO);
+    assert_eq!(b.next, Duration::from_millis(800));
 }

@@ -9,7 +9,8 @@ use llm_worker::sim::SimOptions;
 use redis::AsyncCommands;
 use std::path::PathBuf;
 use std::process::ExitStatus;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 type Conn = redis::aio::MultiplexedConnection;
 

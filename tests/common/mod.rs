@@ -11,7 +11,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -21,40 +22,85 @@ pub fn free_port() -> u16 {
 }
 
 /// A redis-server owned by one test; killed on drop.
+///
+/// By default it listens only on a unix socket inside its own temp dir (`--port 0
+/// --unixsocket DIR/redis.sock --unixsocketperm 700`): no other test, and no port race, can
+/// connect a test to the wrong server. [`RedisServer::start_tcp`] listens on a free loopback
+/// port instead, for the tests that need TCP (TLS, network faults).
 pub struct RedisServer {
+    /// The TCP port for servers from [`RedisServer::start_tcp`]; 0 for unix-socket servers
+    /// (use [`RedisServer::port`], which says so loudly, rather than this field).
     pub port: u16,
     pub dir: tempfile::TempDir,
     child: Option<Child>,
     aof: bool,
+    tcp: bool,
 }
 
 impl RedisServer {
+    /// A server on a unix socket in its own temp dir, no persistence.
     pub fn start() -> RedisServer {
         Self::start_opts(false)
     }
 
-    /// With `aof`, the queue survives a restart (chaos tests).
+    /// With `aof`, the queue survives a restart (chaos tests). Unix socket.
     pub fn start_opts(aof: bool) -> RedisServer {
+        Self::start_with(aof, false)
+    }
+
+    /// A server on a free TCP port of 127.0.0.1, for tests that need TCP.
+    pub fn start_tcp() -> RedisServer {
+        Self::start_with(false, true)
+    }
+
+    /// [`RedisServer::start_tcp`] with a choice of AOF persistence.
+    pub fn start_tcp_opts(aof: bool) -> RedisServer {
+        Self::start_with(aof, true)
+    }
+
+    fn start_with(aof: bool, tcp: bool) -> RedisServer {
         let mut r = RedisServer {
-            port: free_port(),
+            port: if tcp { free_port() } else { 0 },
             dir: tempfile::tempdir().expect("tempdir"),
             child: None,
             aof,
+            tcp,
         };
         r.spawn();
         r
     }
 
+    /// The unix socket this server listens on (servers from `start`/`start_opts`).
+    pub fn socket_path(&self) -> PathBuf {
+        self.dir.path().join("redis.sock")
+    }
+
+    /// The TCP port. Panics for a unix-socket server: a test that needs a port must start
+    /// its server with [`RedisServer::start_tcp`].
+    pub fn port(&self) -> u16 {
+        assert!(
+            self.tcp,
+            "this redis-server listens on a unix socket only; start it with RedisServer::start_tcp()"
+        );
+        self.port
+    }
+
+    // Synchronous on purpose (used from Drop-like paths and `block_in_place`), so it polls
+    // with a plain thread sleep.
+    #[allow(clippy::disallowed_methods)]
     fn spawn(&mut self) {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-            ])
+        let mut cmd = Command::new("redis-server");
+        if self.tcp {
+            cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"]);
+        } else {
+            let sock = self.socket_path();
+            // A stale socket file from before a restart would look like a live server.
+            let _ = std::fs::remove_file(&sock);
+            cmd.args(["--port", "0", "--unixsocketperm", "700", "--unixsocket"])
+                .arg(&sock);
+        }
+        let child = cmd
+            .args(["--save", ""])
             .args(["--appendonly", if self.aof { "yes" } else { "no" }])
             .args(["--appendfsync", "everysec"])
             .arg("--dir")
@@ -65,14 +111,37 @@ impl RedisServer {
             .expect("redis-server on PATH (apt-get install redis-server)");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "redis-server did not start");
+        while !self.accepts() {
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                panic!("redis-server exited at start: {status}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start within 10 s"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
 
+    /// Whether the server accepts a connection now.
+    fn accepts(&self) -> bool {
+        if self.tcp {
+            std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+        } else {
+            std::os::unix::net::UnixStream::connect(self.socket_path()).is_ok()
+        }
+    }
+
+    /// `unix:///tmp/.../redis.sock` for unix-socket servers, `redis://127.0.0.1:PORT` for
+    /// TCP ones. What every config and client of a test should use.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        if self.tcp {
+            format!("redis://127.0.0.1:{}", self.port)
+        } else {
+            format!("unix://{}", self.socket_path().display())
+        }
     }
 
     pub fn kill(&mut self) {
@@ -83,6 +152,8 @@ impl RedisServer {
     }
 
     /// Stops with SHUTDOWN-like semantics (SIGTERM: AOF is flushed) and waits.
+    /// Blocking (thread sleep between polls): call it from `block_in_place` in async tests.
+    #[allow(clippy::disallowed_methods)]
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             signal(c.id(), libc_sig::TERM);
@@ -385,7 +456,7 @@ pub async fn wait_slot_queue(
             let q: Vec<String> = c
                 .zrange("{llm}:slotq:default", 0, -1)
                 .await
-                .unwrap_or_default();
+                .unwrap_or_else(|e| panic!("ZRANGE {{llm}}:slotq:default: {e}"));
             q.iter().any(|t| t.starts_with(&prefix))
         }
     })
@@ -505,18 +576,33 @@ async fn entries_as<T: redis::FromRedisValue + Default>(
         .collect()
 }
 
+/// Length of a stream. Panics when Redis does not answer: an unreachable Redis must never
+/// read as "empty".
 pub async fn xlen(conn: &mut redis::aio::MultiplexedConnection, stream: &str) -> u64 {
-    conn.xlen(stream).await.unwrap_or(0)
+    conn.xlen(stream)
+        .await
+        .unwrap_or_else(|e| panic!("XLEN {stream}: Redis did not answer ({e})"))
 }
 
-/// Slot keys present now.
+/// [`xlen`] that returns Redis errors instead of panicking, for waits across an outage.
+pub async fn try_xlen(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+) -> redis::RedisResult<u64> {
+    conn.xlen(stream).await
+}
+
+/// Slot keys present now. Panics when Redis does not answer, so that "no slot key left"
+/// cannot pass against a dead Redis.
 pub async fn slot_keys(conn: &mut redis::aio::MultiplexedConnection, ns: &str) -> Vec<String> {
     conn.keys(format!("{{{ns}}}:slot:*"))
         .await
-        .unwrap_or_default()
+        .unwrap_or_else(|e| panic!("KEYS {{{ns}}}:slot:*: Redis did not answer ({e})"))
 }
 
-/// Waits until `stream` has at least `n` entries; fails with the worker logs if not.
+/// Waits until `stream` has at least `n` entries; fails with the worker logs if not. A
+/// Redis error counts as "not yet" (so the wait spans a restart) and is named in the
+/// failure, never read as a length.
 pub async fn wait_len(
     conn: &mut redis::aio::MultiplexedConnection,
     stream: &str,
@@ -525,12 +611,17 @@ pub async fn wait_len(
 ) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        let len = xlen(conn, stream).await;
-        if len >= n {
+        let len = try_xlen(conn, stream).await;
+        if matches!(len, Ok(len) if len >= n) {
             return Ok(());
         }
         if Instant::now() >= deadline {
-            bail!("{stream} has {len} entries, expected {n} within {timeout:?}");
+            match len {
+                Ok(len) => bail!("{stream} has {len} entries, expected {n} within {timeout:?}"),
+                Err(e) => bail!(
+                    "{stream}: Redis did not answer ({e}), expected {n} entries within {timeout:?}"
+                ),
+            }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -593,6 +684,7 @@ impl BinOutput {
 /// Runs the real binary with `args` and only the environment `env` on top of a scrubbed
 /// one ([`scrub_env`]); killed after `timeout`. Blocking: call it from
 /// `tokio::task::spawn_blocking` inside async tests.
+#[allow(clippy::disallowed_methods)] // blocking by design, run on its own thread
 pub fn run_bin(args: &[&str], env: &[(&str, &str)], timeout: Duration) -> BinOutput {
     let mut cmd = Command::new(bin());
     cmd.args(args);
@@ -707,4 +799,75 @@ pub async fn pending_count(
         },
         other => panic!("unexpected XPENDING reply {other:?}"),
     }
+}
+
+/// Names of the consumers of `group` on `stream` (XINFO CONSUMERS). Panics when Redis
+/// does not answer; an absent group or stream is no consumer.
+pub async fn consumers(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    group: &str,
+) -> Vec<String> {
+    let r: redis::RedisResult<Vec<HashMap<String, redis::Value>>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(stream)
+        .arg(group)
+        .query_async(conn)
+        .await;
+    match r {
+        Ok(list) => list
+            .into_iter()
+            .filter_map(|c| c.get("name").cloned())
+            .map(|v| redis::from_redis_value::<String>(v).expect("consumer name"))
+            .collect(),
+        Err(e) if e.to_string().contains("no such key") || e.to_string().contains("NOGROUP") => {
+            vec![]
+        }
+        Err(e) => panic!("XINFO CONSUMERS {stream} {group}: {e}"),
+    }
+}
+
+/// Waits until every consumer in `names` is registered in `group` of `stream`. On Redis
+/// 7.0 a consumer is registered once a read returned it an entry, so this says "has taken
+/// a job", not "is reading" (for that, [`wait_readers`]).
+pub async fn wait_consumers(
+    conn: &redis::aio::MultiplexedConnection,
+    stream: &str,
+    group: &str,
+    names: &[&str],
+    timeout: Duration,
+) -> bool {
+    wait_for(timeout, || {
+        let mut c = conn.clone();
+        async move {
+            let have = consumers(&mut c, stream, group).await;
+            names.iter().all(|n| have.iter().any(|h| h == n))
+        }
+    })
+    .await
+}
+
+/// Waits until at least `n` client connections have XREADGROUP as their last command
+/// (CLIENT LIST): that many workers are in their read loop. (XINFO CONSUMERS is no such
+/// signal: Redis 7.0 registers a consumer only once a read returns an entry.)
+pub async fn wait_readers(
+    conn: &redis::aio::MultiplexedConnection,
+    n: usize,
+    timeout: Duration,
+) -> bool {
+    wait_for(timeout, || {
+        let mut c = conn.clone();
+        async move {
+            let list: String = redis::cmd("CLIENT")
+                .arg("LIST")
+                .query_async(&mut c)
+                .await
+                .unwrap_or_else(|e| panic!("CLIENT LIST: {e}"));
+            list.lines()
+                .filter(|l| l.contains("cmd=xreadgroup"))
+                .count()
+                >= n
+        }
+    })
+    .await
 }
