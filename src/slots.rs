@@ -665,7 +665,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             }
             // Pick up: the hand-off came with a short lease; make it a full one before
             // any call runs on it.
-            match renew(&inner, &[(ps, idx)], &[])
+            match renew(&inner, &[(ps, idx)], &[], true)
                 .await
                 .map(|r| r.first().copied())
             {
@@ -746,16 +746,19 @@ enum Renewed {
 }
 
 /// One renew script for `items` (pool, slot index), which also ticks the lease clock of
-/// every pool in `tick_pools`. One answer per item, in order.
+/// every pool in `tick_pools`. One answer per item, in order. `pickup`: the items were
+/// just handed to us (an absent key is ours again only if nobody was given it since).
 async fn renew(
     inner: &Inner,
     items: &[(&PoolState, u32)],
     tick_pools: &[&PoolState],
+    pickup: bool,
 ) -> Result<Vec<Renewed>, SlotError> {
     let mut inv = inner.renew_script.prepare_invoke();
     inv.arg(&inner.token)
         .arg(inner.ttl.as_millis() as u64)
-        .arg(stall_gap(inner.ttl).as_millis() as u64);
+        .arg(stall_gap(inner.ttl).as_millis() as u64)
+        .arg(if pickup { "0" } else { "1" });
     let mut groups: Vec<&PoolState> = tick_pools.to_vec();
     for (ps, _) in items {
         if !groups.iter().any(|g| g.name == ps.name) {
@@ -817,7 +820,7 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
         if items.len() != due.len() {
             continue; // unreachable: leases are only made for known pools
         }
-        match renew(&inner, &items, &all).await {
+        match renew(&inner, &items, &all, false).await {
             Ok(flags) => {
                 for ((key, lost, pool, idx), r) in due.iter().zip(flags) {
                     match r {

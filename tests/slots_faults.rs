@@ -333,3 +333,69 @@ async fn long_call_keeps_its_slot_key_through_renewals() -> anyhow::Result<()> {
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }
+
+/// Point 12, second half: a holder whose lease lapsed while its process was paused
+/// (SIGSTOP past `slots.ttl_ms`; another process keeps Redis's lease clock going, so this
+/// is not a Redis stall) takes its own slot again when it resumes, if nobody took it
+/// meanwhile, instead of finishing its call without a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_holder_retakes_its_own_free_slot() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 4000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 1000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let cancel = CancellationToken::new();
+    // Another live process of the fleet: holds nothing, waits for nothing.
+    let other = slots_for(&tc, "pt", &cancel).await;
+    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
+    push(&mut conn, "llm", &jobs("job", 1)).await;
+    let running = wait_for(Duration::from_secs(10), || {
+        let sim = sim.sim.clone();
+        async move { sim.stats().in_flight == 1 }
+    })
+    .await;
+    assert!(running, "A's call runs\n{}", a.log());
+    let token = holder(&mut conn, SLOT0).await.expect("A holds the slot");
+    assert!(token.starts_with("wa:"), "{token}");
+
+    a.signal(libc_sig::STOP);
+    let lapsed = wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        async move { holder(&mut c, SLOT0).await.is_none() }
+    })
+    .await;
+    a.signal(libc_sig::CONT);
+    assert!(lapsed, "A's lease lapses while A is stopped");
+    let retaken = wait_for(Duration::from_secs(3), || {
+        let mut c = conn.clone();
+        let t = token.clone();
+        async move { holder(&mut c, SLOT0).await.as_deref() == Some(t.as_str()) }
+    })
+    .await;
+    assert!(
+        retaken,
+        "A takes its own free slot again on resuming\n{}",
+        a.log()
+    );
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(10)).await,
+        &[&a],
+    )?;
+    assert_all_ok_once(&entries(&mut conn, "{llm}:results").await, 1);
+    let log = a.log();
+    assert!(!log.contains("lease lost"), "{log}");
+    assert!(log.contains("is ours again"), "{log}");
+    stop_clean(&mut a, Duration::from_secs(6)).await;
+    tokio::time::timeout(Duration::from_secs(5), other.release_all()).await??;
+    cancel.cancel();
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
