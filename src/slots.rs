@@ -5,20 +5,40 @@
 //! - **acquire** (`slot_acquire.lua`, one round trip): take a free slot, or join the
 //!   pool's FIFO waiter queue and learn when the nearest lease expires;
 //! - **release** (`slot_release.lua`): token-checked; if a process is waiting, the slot is
-//!   handed to it directly (value set to its token, index pushed onto its hand-off list),
-//!   so a releasing process cannot re-take its own slot while others starve;
+//!   handed to it directly (value set to its token with a short hand-off lease, index
+//!   pushed onto its hand-off list), so a releasing process cannot re-take its own slot
+//!   while others starve. The waiter **picks it up** (`slot_renew.lua` in pick-up mode),
+//!   extending it to the full TTL before any call runs on it; a waiter that died after
+//!   its last liveness refresh costs the fleet the slot only for `HANDOFF_LEASE` (500 ms, at most the TTL);
 //! - **waiting**: one driver task per process blocks (BLPOP, on a connection of its own)
 //!   on the process's hand-off list, for at most the time until the nearest lease expires,
 //!   and serves the process's local waiters in FIFO order. Waiters in one process share
 //!   that one wait; processes are served round robin;
-//! - **renewal** (`slot_renew.lua`): one script per tick for every lease of the process,
-//!   extending only leases whose value is still our token; a lost lease is reported,
-//!   never re-created;
+//! - **renewal** (`slot_renew.lua`): one script every `ttl / 4` for every lease of the
+//!   process, extending leases whose value is still our token; a lease that lapsed (the
+//!   process was paused or cut off alone) is taken again if its slot is still free, ahead
+//!   of the queue, since its call still runs; one held by someone else is reported lost,
+//!   never overwritten;
+//! - **lease clock** (`slot_clock.lua`, the prelude of every slot script): time in which
+//!   Redis could not answer does not count against a holder. Each pool's lease hash
+//!   `{ns}:slotlease:<pool>` shadows every slot key (token, deadline, lease length) and
+//!   records the server `TIME` of the last slot script. Every worker runs one at least
+//!   every `ttl / 4` (the renewer ticks even when it holds nothing), so a gap above
+//!   `ttl / 2` means Redis stalled (SIGSTOP, a slow fork, a failover, a partition of the
+//!   whole fleet): the first script after it gives every lease that was live when Redis
+//!   was last seen its key back (same token, full length from now) before anything can
+//!   be taken. Slot keys' PX expiry keeps running on the wall clock while Redis is
+//!   stopped, so restoring from the shadow is what makes a stall of any length safe.
+//!   Cost of the rule: if the whole fleet is gone for longer than the gap, a holder that
+//!   died just before keeps its slot one more TTL;
 //! - **release-all**: every slot of every pool, one round trip, at shutdown.
 //!
 //! Invariants:
 //! - a slot key is only ever deleted or overwritten by the holder whose token it holds
-//!   (or by its TTL expiring);
+//!   (or by its TTL expiring); an absent key is only re-created for the holder that the
+//!   lease hash records for it (after a stall) or by that holder itself (renewal);
+//! - while Redis answers the fleet, at most N keys of a pool exist; a stall of Redis
+//!   does not free a slot whose holder was live when Redis stopped answering;
 //! - within a process, the `held` table says which [`Lease`] uses which slot; a slot is
 //!   in the table at most once;
 //! - N for a pool is the one recorded in Redis by the first worker (`{ns}:poolsize:<pool>`);
