@@ -5,21 +5,20 @@
 --
 -- KEYS: for each pool group: its lease hash, then the group's slot keys
 -- ARGV[1] token   ARGV[2] ttl ms   ARGV[3] stall gap ms
--- ARGV[4] '1' = renewal, '0' = pick-up of a hand-off
--- ARGV[5..] for each group: prefix of its slot keys, count c, then the c slot indices
+-- ARGV[4..] for each group: prefix of its slot keys, count c, then the c slot indices
 --
--- Per key: our token -> PEXPIRE ttl (1). Absent, on renewal -> our lease lapsed (this
--- process was paused, or cut off from Redis alone) but nobody holds the slot now: take
--- it again at once, ahead of the waiter queue, since our call is still running (2).
--- Absent, on pick-up -> ours again only if the lease hash still records the hand-off to
--- us (nobody was given the slot since), so a late pick-up keeps a fair hand-off but a
--- stale one never jumps the queue (2). Otherwise, or someone else's -> lost, reported,
--- never overwritten (0).
+-- Per key: our token -> PEXPIRE ttl (1). Absent, and the lease hash still records our
+-- token for it -> our lease lapsed (this process was paused or cut off from Redis alone;
+-- or a pick-up came late) and nobody has been given the slot since: take it again at
+-- once, ahead of the waiter queue, since our call is still running (2). The record is
+-- what makes this safe: a release deletes it in the same step as the key, so a renewal
+-- racing with our own release never re-creates a released slot, and a stale hand-off
+-- never jumps the queue. Otherwise, or someone else's -> lost, reported, never
+-- overwritten (0).
 -- Returns one integer per key, in order.
 local token = ARGV[1]
 local out = {}
-local renewal = ARGV[4] == '1'
-local a, k = 5, 1
+local a, k = 4, 1
 while a <= #ARGV do
   local prefix = ARGV[a]
   local c = tonumber(ARGV[a + 1])
@@ -36,8 +35,8 @@ while a <= #ARGV do
       redis.call('PEXPIRE', key, ARGV[2])
       slot_note(lh, idx, token, now, ARGV[2])
       out[#out + 1] = 1
-    elseif cur == false and (renewal or
-        string.sub(redis.call('HGET', lh, idx) or '', 1, #token + 1) == token .. '|') then
+    elseif cur == false and
+        string.sub(redis.call('HGET', lh, idx) or '', 1, #token + 1) == token .. '|' then
       redis.call('SET', key, token, 'PX', ARGV[2])
       slot_note(lh, idx, token, now, ARGV[2])
       out[#out + 1] = 2

@@ -7,7 +7,7 @@
 //! - **release** (`slot_release.lua`): token-checked; if a process is waiting, the slot is
 //!   handed to it directly (value set to its token with a short hand-off lease, index
 //!   pushed onto its hand-off list), so a releasing process cannot re-take its own slot
-//!   while others starve. The waiter **picks it up** (`slot_renew.lua` in pick-up mode),
+//!   while others starve. The waiter **picks it up** (`slot_renew.lua`),
 //!   extending it to the full TTL before any call runs on it; a waiter that died after
 //!   its last liveness refresh costs the fleet the slot only for `HANDOFF_LEASE` (500 ms, at most the TTL);
 //! - **waiting**: one driver task per process blocks (BLPOP, on a connection of its own)
@@ -16,9 +16,10 @@
 //!   that one wait; processes are served round robin;
 //! - **renewal** (`slot_renew.lua`): one script every `ttl / 4` for every lease of the
 //!   process, extending leases whose value is still our token; a lease that lapsed (the
-//!   process was paused or cut off alone) is taken again if its slot is still free, ahead
-//!   of the queue, since its call still runs; one held by someone else is reported lost,
-//!   never overwritten;
+//!   process was paused or cut off alone) is taken again, ahead of the queue since its
+//!   call still runs, if its slot is free and the lease hash still records our token for
+//!   it (so a renewal racing with our own release never re-creates a released slot); one
+//!   held by someone else is reported lost, never overwritten;
 //! - **lease clock** (`slot_clock.lua`, the prelude of every slot script): time in which
 //!   Redis could not answer does not count against a holder. Each pool's lease hash
 //!   `{ns}:slotlease:<pool>` shadows every slot key (token, deadline, lease length) and
@@ -685,7 +686,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             }
             // Pick up: the hand-off came with a short lease; make it a full one before
             // any call runs on it.
-            match renew(&inner, &[(ps, idx)], &[], true)
+            match renew(&inner, &[(ps, idx)], &[])
                 .await
                 .map(|r| r.first().copied())
             {
@@ -759,26 +760,25 @@ async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
 enum Renewed {
     /// Still ours; extended to the full TTL.
     Extended,
-    /// Had lapsed and nobody held it: ours again (a paused or cut-off holder catching up).
+    /// Had lapsed and nobody was given it since: ours again (a paused or cut-off holder
+    /// catching up, or a late pick-up).
     Retaken,
     /// Someone else's now: the lease is lost.
     Lost,
 }
 
 /// One renew script for `items` (pool, slot index), which also ticks the lease clock of
-/// every pool in `tick_pools`. One answer per item, in order. `pickup`: the items were
-/// just handed to us (an absent key is ours again only if nobody was given it since).
+/// every pool in `tick_pools`. One answer per item, in order. Used for renewal and for
+/// the pick-up of a handed slot alike.
 async fn renew(
     inner: &Inner,
     items: &[(&PoolState, u32)],
     tick_pools: &[&PoolState],
-    pickup: bool,
 ) -> Result<Vec<Renewed>, SlotError> {
     let mut inv = inner.renew_script.prepare_invoke();
     inv.arg(&inner.token)
         .arg(inner.ttl.as_millis() as u64)
-        .arg(stall_gap(inner.ttl).as_millis() as u64)
-        .arg(if pickup { "0" } else { "1" });
+        .arg(stall_gap(inner.ttl).as_millis() as u64);
     let mut groups: Vec<&PoolState> = tick_pools.to_vec();
     for (ps, _) in items {
         if !groups.iter().any(|g| g.name == ps.name) {
@@ -840,7 +840,7 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
         if items.len() != due.len() {
             continue; // unreachable: leases are only made for known pools
         }
-        match renew(&inner, &items, &all, false).await {
+        match renew(&inner, &items, &all).await {
             Ok(flags) => {
                 for ((key, lost, pool, idx), r) in due.iter().zip(flags) {
                     match r {
@@ -856,12 +856,15 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
                                 .increment(1);
                         }
                         Renewed::Lost => {
-                            if !lost.swap(true, Ordering::SeqCst) {
-                                let mut held = lock(&inner.held);
-                                if held.get(key).is_some_and(|h| Arc::ptr_eq(&h.lost, lost)) {
-                                    held.remove(key);
-                                }
-                                drop(held);
+                            // Only a lease still in the table was lost; one whose release
+                            // ran while this renewal was on the wire was simply released.
+                            let mut held = lock(&inner.held);
+                            let current = held.get(key).is_some_and(|h| Arc::ptr_eq(&h.lost, lost));
+                            if current {
+                                held.remove(key);
+                            }
+                            drop(held);
+                            if current && !lost.swap(true, Ordering::SeqCst) {
                                 lease_lost(
                                     pool,
                                     *idx,
