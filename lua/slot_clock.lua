@@ -6,7 +6,7 @@
 --   field <i> = "<token>|<deadline ms, server TIME>|<lease length ms>", written by whoever
 --   sets the key (take, hand-off, renewal, restore) and removed with it (release);
 --   field t   = server TIME (ms) of the last slot script that ran for this pool.
--- Every live worker runs a slot script at least every ttl/4 (its renewer ticks even when
+-- Every live worker runs a slot script at least every ttl/8 (its renewer ticks even when
 -- it holds nothing), so a gap larger than `gap` ms (ttl/2) between two scripts means
 -- nobody could reach Redis: it was stopped, busy forking, failing over, or cut off. Slot
 -- keys' PX expiry runs on the wall clock, so after such a gap leases may have lapsed

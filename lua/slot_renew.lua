@@ -1,5 +1,5 @@
 -- Renew the leases this process holds, and tick the pools' lease clocks.
--- (Runs after the prelude slot_clock.lua.) Called by every worker every ttl/4, with
+-- (Runs after the prelude slot_clock.lua.) Called by every worker every ttl/8, with
 -- every pool (c may be 0), and once for a slot handed to us (the pick-up that turns
 -- the short hand-off lease into a full one).
 --

@@ -14,7 +14,7 @@
 //!   on the process's hand-off list, for at most the time until the nearest lease expires,
 //!   and serves the process's local waiters in FIFO order. Waiters in one process share
 //!   that one wait; processes are served round robin;
-//! - **renewal** (`slot_renew.lua`): one script every `ttl / 4` for every lease of the
+//! - **renewal** (`slot_renew.lua`): one script every `ttl / 8` for every lease of the
 //!   process, extending leases whose value is still our token; a lease that lapsed (the
 //!   process was paused or cut off alone) is taken again, ahead of the queue since its
 //!   call still runs, if its slot is free and the lease hash still records our token for
@@ -24,7 +24,7 @@
 //!   Redis could not answer does not count against a holder. Each pool's lease hash
 //!   `{ns}:slotlease:<pool>` shadows every slot key (token, deadline, lease length) and
 //!   records the server `TIME` of the last slot script. Every worker runs one at least
-//!   every `ttl / 4` (the renewer ticks even when it holds nothing), so a gap above
+//!   every `ttl / 8` (the renewer ticks even when it holds nothing), so a gap above
 //!   `ttl / 2` means Redis stalled (SIGSTOP, a slow fork, a failover, a partition of the
 //!   whole fleet): the first script after it gives every lease that was live when Redis
 //!   was last seen its key back (same token, full length from now) before anything can
@@ -69,12 +69,13 @@ const MAX_WAIT_TICK: Duration = Duration::from_millis(1000);
 const HANDOFF_LEASE: Duration = Duration::from_millis(500);
 
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).
-/// Every worker ticks every `ttl / 4` (its renewer), so a lease has at least about
-/// `3/4 ttl` left at any time; a gap of more than `ttl / 2` between two slot scripts of
+/// Every worker ticks every `ttl / 8` (its renewer), so a lease has at least about
+/// `7/8 ttl` left at any time; a gap of more than `ttl / 2` between two slot scripts of
 /// a pool therefore means Redis could not answer (and is detected before a lease lapses
-/// unnoticed), while normal gaps stay well under it.
+/// unnoticed), while normal gaps stay well under it: a false alarm needs every worker
+/// of the fleet silent for four ticks, and then only extends leases that were live.
 fn clock_tick(ttl: Duration) -> Duration {
-    ttl / 4
+    ttl / 8
 }
 fn stall_gap(ttl: Duration) -> Duration {
     ttl / 2
@@ -814,7 +815,7 @@ async fn renew(
     Ok(out)
 }
 
-/// Every `ttl / 4`, in one script: renews every lease this process holds and ticks the
+/// Every `ttl / 8`, in one script: renews every lease this process holds and ticks the
 /// lease clock of every pool, even when nothing is held (that tick is what lets the
 /// scripts tell a Redis stall from a quiet fleet; see `lua/slot_clock.lua`). A lapsed
 /// lease whose slot is still free is taken again; one held by someone else is marked
