@@ -1,18 +1,23 @@
 -- Take one free slot of a pool in one round trip, fairly.
+-- (Runs after the prelude slot_clock.lua.)
 --
 -- KEYS[1] waiter queue of the pool (sorted set: token -> enqueue time, FIFO)
--- KEYS[2..N+1] the pool's slot keys, slot i at KEYS[i+2]
+-- KEYS[2] lease hash of the pool (see slot_clock.lua)
+-- KEYS[3..N+2] the pool's slot keys, slot i at KEYS[i+3]
 -- ARGV[1] holder token of this process   ARGV[2] slot ttl ms
 -- ARGV[3] '1' = on failure, enqueue this process as a waiter
 -- ARGV[4] waiter liveness ttl ms         ARGV[5] prefix of waiter liveness keys
+-- ARGV[6] stall gap ms                   ARGV[7] prefix of the pool's slot keys
 --
 -- Fairness: while live waiters are queued, only the queue's head may take a free slot
 -- (a slot freed by expiry goes to the longest waiter, not to whoever asks first).
 -- Waiters whose liveness key has expired (process gone) are dropped lazily.
+-- After a Redis stall, the prelude has given lapsed leases back to their holders first.
 --
 -- Returns {i, 0}: slot i taken (value = token, PX ttl);
 --         {-1, ms}: none free; ms = time until the nearest lease expires.
 local token = ARGV[1]
+local now = slot_clock(KEYS[2], ARGV[7], ARGV[6])
 local head = nil
 while true do
   local h = redis.call('ZRANGE', KEYS[1], 0, 0)
@@ -24,25 +29,26 @@ while true do
   redis.call('ZREM', KEYS[1], h[1])
 end
 if head == nil or head == token then
-  for k = 2, #KEYS do
+  for k = 3, #KEYS do
     if redis.call('SET', KEYS[k], token, 'NX', 'PX', ARGV[2]) then
+      slot_note(KEYS[2], k - 3, token, now, ARGV[2])
       if head == token then
         redis.call('ZREM', KEYS[1], token)
       end
-      return {k - 2, 0}
+      return {k - 3, 0}
     end
   end
 end
 local wait = tonumber(ARGV[2])
-for k = 2, #KEYS do
+for k = 3, #KEYS do
   local t = redis.call('PTTL', KEYS[k])
   if t >= 0 and t < wait then wait = t end
 end
 if ARGV[3] == '1' then
   redis.call('SET', ARGV[5] .. token, '1', 'PX', ARGV[4])
   if not redis.call('ZSCORE', KEYS[1], token) then
-    local now = redis.call('TIME')
-    redis.call('ZADD', KEYS[1], tonumber(now[1]) * 1000000 + tonumber(now[2]), token)
+    local tm = redis.call('TIME')
+    redis.call('ZADD', KEYS[1], tonumber(tm[1]) * 1000000 + tonumber(tm[2]), token)
   end
 end
 return {-1, wait}

@@ -5,20 +5,41 @@
 //! - **acquire** (`slot_acquire.lua`, one round trip): take a free slot, or join the
 //!   pool's FIFO waiter queue and learn when the nearest lease expires;
 //! - **release** (`slot_release.lua`): token-checked; if a process is waiting, the slot is
-//!   handed to it directly (value set to its token, index pushed onto its hand-off list),
-//!   so a releasing process cannot re-take its own slot while others starve;
+//!   handed to it directly (value set to its token with a short hand-off lease, index
+//!   pushed onto its hand-off list), so a releasing process cannot re-take its own slot
+//!   while others starve. The waiter **picks it up** (`slot_renew.lua`),
+//!   extending it to the full TTL before any call runs on it; a waiter that died after
+//!   its last liveness refresh costs the fleet the slot only for `HANDOFF_LEASE` (500 ms, at most the TTL);
 //! - **waiting**: one driver task per process blocks (BLPOP, on a connection of its own)
 //!   on the process's hand-off list, for at most the time until the nearest lease expires,
 //!   and serves the process's local waiters in FIFO order. Waiters in one process share
 //!   that one wait; processes are served round robin;
-//! - **renewal** (`slot_renew.lua`): one script per tick for every lease of the process,
-//!   extending only leases whose value is still our token; a lost lease is reported,
-//!   never re-created;
+//! - **renewal** (`slot_renew.lua`): one script every `ttl / 8` for every lease of the
+//!   process, extending leases whose value is still our token; a lease that lapsed (the
+//!   process was paused or cut off alone) is taken again, ahead of the queue since its
+//!   call still runs, if its slot is free and the lease hash still records our token for
+//!   it (so a renewal racing with our own release never re-creates a released slot); one
+//!   held by someone else is reported lost, never overwritten;
+//! - **lease clock** (`slot_clock.lua`, the prelude of every slot script): time in which
+//!   Redis could not answer does not count against a holder. Each pool's lease hash
+//!   `{ns}:slotlease:<pool>` shadows every slot key (token, deadline, lease length) and
+//!   records the server `TIME` of the last slot script. Every worker runs one at least
+//!   every `ttl / 8` (the renewer ticks even when it holds nothing), so a gap above
+//!   `ttl / 2` means Redis stalled (SIGSTOP, a slow fork, a failover, a partition of the
+//!   whole fleet): the first script after it gives every lease that was live when Redis
+//!   was last seen its key back (same token, full length from now) before anything can
+//!   be taken. Slot keys' PX expiry keeps running on the wall clock while Redis is
+//!   stopped, so restoring from the shadow is what makes a stall of any length safe.
+//!   Cost of the rule: if the whole fleet is gone for longer than the gap, a holder that
+//!   died just before keeps its slot one more TTL;
 //! - **release-all**: every slot of every pool, one round trip, at shutdown.
 //!
 //! Invariants:
 //! - a slot key is only ever deleted or overwritten by the holder whose token it holds
-//!   (or by its TTL expiring);
+//!   (or by its TTL expiring); an absent key is only re-created for the holder that the
+//!   lease hash records for it (after a stall) or by that holder itself (renewal);
+//! - while Redis answers the fleet, at most N keys of a pool exist; a stall of Redis
+//!   does not free a slot whose holder was live when Redis stopped answering;
 //! - within a process, the `held` table says which [`Lease`] uses which slot; a slot is
 //!   in the table at most once;
 //! - N for a pool is the one recorded in Redis by the first worker (`{ns}:poolsize:<pool>`);
@@ -41,6 +62,35 @@ use tokio_util::sync::CancellationToken;
 const WAITER_ALIVE_MS: u64 = 3000;
 /// Upper bound of one BLPOP, so liveness is refreshed and expiries are noticed.
 const MAX_WAIT_TICK: Duration = Duration::from_millis(1000);
+/// Lease given with a hand-off (capped by the TTL): the waiter turns it into a full lease
+/// when it picks the slot up, one round trip after the hand-off. A waiter that died after
+/// its last liveness refresh holds the slot only this long, not `slots.ttl_ms`. Long
+/// enough for a loaded process to pick up (a pick-up that comes late still re-takes the
+/// slot if nobody took it meanwhile).
+const HANDOFF_LEASE: Duration = Duration::from_millis(500);
+
+/// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).
+/// Every worker ticks every `ttl / 8` (its renewer), so a lease has at least about
+/// `7/8 ttl` left at any time; a gap of more than `ttl / 2` between two slot scripts of
+/// a pool therefore means Redis could not answer (and is detected before a lease lapses
+/// unnoticed), while normal gaps stay well under it: a false alarm needs every worker
+/// of the fleet silent for four ticks, and then only extends leases that were live.
+fn clock_tick(ttl: Duration) -> Duration {
+    ttl / 8
+}
+fn stall_gap(ttl: Duration) -> Duration {
+    ttl / 2
+}
+
+/// Every slot script starts with the lease-clock prelude (`lua/slot_clock.lua`).
+macro_rules! slot_script {
+    ($file:literal) => {
+        redis::Script::new(concat!(
+            include_str!("../lua/slot_clock.lua"),
+            include_str!(concat!("../lua/", $file))
+        ))
+    };
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SlotError {
@@ -81,7 +131,11 @@ struct PoolState {
     /// N as recorded fleet-wide.
     size: u32,
     slot_keys: Vec<String>,
+    /// `slot_keys[i]` is this prefix followed by `i`.
+    slot_prefix: String,
     queue_key: String,
+    /// The pool's lease hash: a shadow of every slot key plus the lease clock.
+    lease_key: String,
     waiters: Mutex<VecDeque<Waiter>>,
     /// When the driver should next try on its own (nearest lease expiry).
     next_check: Mutex<Instant>,
@@ -99,7 +153,6 @@ impl PoolState {
 struct Held {
     pool: String,
     idx: u32,
-    since: Instant,
     lost: Arc<AtomicBool>,
 }
 
@@ -109,6 +162,8 @@ struct Inner {
     keys: Keys,
     token: String,
     ttl: Duration,
+    /// Lease of a slot handed to a waiter, until it picks it up.
+    handoff: Duration,
     pools: HashMap<String, PoolState>,
     held: Mutex<HashMap<String, Held>>,
     driver_wake: Notify,
@@ -188,7 +243,9 @@ impl Slots {
                         name: name.clone(),
                         size,
                         slot_keys: (0..size).map(|i| keys.slot(name, i)).collect(),
+                        slot_prefix: format!("{}:slot:{name}:", keys.prefix),
                         queue_key: keys.slot_queue(name),
+                        lease_key: format!("{}:slotlease:{name}", keys.prefix),
                         waiters: Mutex::new(VecDeque::new()),
                         next_check: Mutex::new(Instant::now()),
                     },
@@ -207,14 +264,15 @@ impl Slots {
                 keys,
                 token,
                 ttl: Duration::from_millis(cfg.slots.ttl_ms),
+                handoff: HANDOFF_LEASE.min(Duration::from_millis(cfg.slots.ttl_ms)),
                 pools,
                 held: Mutex::new(HashMap::new()),
                 driver_wake: Notify::new(),
                 next_waiter: AtomicU64::new(0),
                 stopped: AtomicBool::new(false),
-                acquire_script: redis::Script::new(include_str!("../lua/slot_acquire.lua")),
-                release_script: redis::Script::new(include_str!("../lua/slot_release.lua")),
-                renew_script: redis::Script::new(include_str!("../lua/slot_renew.lua")),
+                acquire_script: slot_script!("slot_acquire.lua"),
+                release_script: slot_script!("slot_release.lua"),
+                renew_script: slot_script!("slot_renew.lua"),
             }),
         })
     }
@@ -336,15 +394,10 @@ impl Slots {
         for ps in inner.pools.values() {
             lock(&ps.waiters).clear();
         }
-        let mut inv = inner.release_script.prepare_invoke();
-        inv.arg(&inner.token)
-            .arg(inner.ttl.as_millis() as u64)
-            .arg(inner.keys.waiter_alive_prefix())
-            .arg(inner.keys.wake_prefix())
-            .arg("1");
+        let mut inv = release_invoke(inner, true);
         for ps in inner.pools.values() {
-            inv.key(&ps.queue_key);
-            inv.arg(&ps.name).arg(ps.size);
+            inv.key(&ps.queue_key).key(&ps.lease_key);
+            inv.arg(&ps.name).arg(&ps.slot_prefix).arg(ps.size);
             for (i, k) in ps.slot_keys.iter().enumerate() {
                 inv.key(k);
                 inv.arg(i);
@@ -385,9 +438,22 @@ fn remove_waiter(ps: &PoolState, id: u64) -> bool {
     }
 }
 
+/// The release script with its fixed arguments; the caller adds the pool groups.
+fn release_invoke(inner: &Inner, all: bool) -> redis::ScriptInvocation<'_> {
+    let mut inv = inner.release_script.prepare_invoke();
+    inv.arg(&inner.token)
+        .arg(inner.ttl.as_millis() as u64)
+        .arg(inner.keys.waiter_alive_prefix())
+        .arg(inner.keys.wake_prefix())
+        .arg(if all { "1" } else { "0" })
+        .arg(inner.handoff.as_millis() as u64)
+        .arg(stall_gap(inner.ttl).as_millis() as u64);
+    inv
+}
+
 async fn try_take(inner: &Inner, ps: &PoolState, enqueue: bool) -> Result<Try, SlotError> {
     let mut inv = inner.acquire_script.prepare_invoke();
-    inv.key(&ps.queue_key);
+    inv.key(&ps.queue_key).key(&ps.lease_key);
     for k in &ps.slot_keys {
         inv.key(k);
     }
@@ -395,7 +461,9 @@ async fn try_take(inner: &Inner, ps: &PoolState, enqueue: bool) -> Result<Try, S
         .arg(inner.ttl.as_millis() as u64)
         .arg(if enqueue { "1" } else { "0" })
         .arg(WAITER_ALIVE_MS)
-        .arg(inner.keys.waiter_alive_prefix());
+        .arg(inner.keys.waiter_alive_prefix())
+        .arg(stall_gap(inner.ttl).as_millis() as u64)
+        .arg(&ps.slot_prefix);
     let mut conn = inner.pool.get().await?;
     let (i, wait): (i64, i64) = inv.invoke_async(&mut *conn).await?;
     Ok(if i >= 0 {
@@ -413,7 +481,6 @@ fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32) -> Lease {
         Held {
             pool: ps.name.clone(),
             idx,
-            since: Instant::now(),
             lost: lost.clone(),
         },
     );
@@ -506,15 +573,12 @@ async fn release_lease(
     let Some(ps) = inner.pools.get(pool) else {
         return Ok(());
     };
-    let mut inv = inner.release_script.prepare_invoke();
+    let mut inv = release_invoke(inner, false);
     inv.key(&ps.queue_key)
+        .key(&ps.lease_key)
         .key(key)
-        .arg(&inner.token)
-        .arg(inner.ttl.as_millis() as u64)
-        .arg(inner.keys.waiter_alive_prefix())
-        .arg(inner.keys.wake_prefix())
-        .arg("0")
         .arg(pool)
+        .arg(&ps.slot_prefix)
         .arg(1)
         .arg(idx);
     let mut conn = inner.pool.get().await?;
@@ -617,7 +681,28 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             if idx >= ps.size {
                 continue;
             }
-            deliver(ps, make_lease(&inner, ps, idx));
+            if !ps.has_waiters() {
+                // Nobody here wants it any more: release (hand on) at once.
+                drop(make_lease(&inner, ps, idx));
+                continue;
+            }
+            // Pick up: the hand-off came with a short lease; make it a full one before
+            // any call runs on it.
+            match renew(&inner, &[(ps, idx)], &[])
+                .await
+                .map(|r| r.first().copied())
+            {
+                Ok(Some(Renewed::Extended | Renewed::Retaken)) => {
+                    deliver(ps, make_lease(&inner, ps, idx));
+                }
+                Ok(_) => {
+                    tracing::debug!(pool = %ps.name, slot = idx, "handed slot taken by another before pick-up");
+                }
+                Err(e) => {
+                    // Not ours for long: the short hand-off lease frees it for the fleet.
+                    tracing::debug!(error = %e, pool = %ps.name, slot = idx, "slot pick-up failed");
+                }
+            }
             // Still waiting here: queue again at the tail (round robin between processes).
             if ps.has_waiters() {
                 retry_pool(&inner, ps).await;
@@ -672,12 +757,74 @@ async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
     }
 }
 
-/// Renews every lease held longer than a third of the TTL, every third of the TTL, in
-/// one script per tick. Marks lost leases so their release never touches the key.
+/// What the renew script did with one key (see `lua/slot_renew.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Renewed {
+    /// Still ours; extended to the full TTL.
+    Extended,
+    /// Had lapsed and nobody was given it since: ours again (a paused or cut-off holder
+    /// catching up, or a late pick-up).
+    Retaken,
+    /// Someone else's now: the lease is lost.
+    Lost,
+}
+
+/// One renew script for `items` (pool, slot index), which also ticks the lease clock of
+/// every pool in `tick_pools`. One answer per item, in order. Used for renewal and for
+/// the pick-up of a handed slot alike.
+async fn renew(
+    inner: &Inner,
+    items: &[(&PoolState, u32)],
+    tick_pools: &[&PoolState],
+) -> Result<Vec<Renewed>, SlotError> {
+    let mut inv = inner.renew_script.prepare_invoke();
+    inv.arg(&inner.token)
+        .arg(inner.ttl.as_millis() as u64)
+        .arg(stall_gap(inner.ttl).as_millis() as u64);
+    let mut groups: Vec<&PoolState> = tick_pools.to_vec();
+    for (ps, _) in items {
+        if !groups.iter().any(|g| g.name == ps.name) {
+            groups.push(ps);
+        }
+    }
+    let mut order = Vec::with_capacity(items.len());
+    for g in &groups {
+        let mine: Vec<(usize, u32)> = items
+            .iter()
+            .enumerate()
+            .filter(|(_, (ps, _))| ps.name == g.name)
+            .map(|(n, (_, i))| (n, *i))
+            .collect();
+        inv.key(&g.lease_key);
+        inv.arg(&g.slot_prefix).arg(mine.len());
+        for (n, i) in mine {
+            inv.key(&g.slot_keys[i as usize]);
+            inv.arg(i);
+            order.push(n);
+        }
+    }
+    let mut conn = inner.pool.get().await?;
+    let flags: Vec<i64> = inv.invoke_async(&mut *conn).await?;
+    let mut out = vec![Renewed::Lost; items.len()];
+    for (n, f) in order.into_iter().zip(flags) {
+        out[n] = match f {
+            1 => Renewed::Extended,
+            2 => Renewed::Retaken,
+            _ => Renewed::Lost,
+        };
+    }
+    Ok(out)
+}
+
+/// Every `ttl / 8`, in one script: renews every lease this process holds and ticks the
+/// lease clock of every pool, even when nothing is held (that tick is what lets the
+/// scripts tell a Redis stall from a quiet fleet; see `lua/slot_clock.lua`). A lapsed
+/// lease whose slot is still free is taken again; one held by someone else is marked
+/// lost, so its release never touches the key.
 async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
-    let period = inner.ttl / 3;
-    let mut tick = tokio::time::interval(period);
+    let mut tick = tokio::time::interval(clock_tick(inner.ttl));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let all: Vec<&PoolState> = inner.pools.values().collect();
     let mut renew_failing = false;
     loop {
         tokio::select! {
@@ -686,42 +833,54 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
         }
         let due: Vec<(String, Arc<AtomicBool>, String, u32)> = lock(&inner.held)
             .iter()
-            .filter(|(_, h)| h.since.elapsed() >= period)
             .map(|(k, h)| (k.clone(), h.lost.clone(), h.pool.clone(), h.idx))
             .collect();
-        if due.is_empty() {
-            continue;
+        let items: Vec<(&PoolState, u32)> = due
+            .iter()
+            .filter_map(|(_, _, pool, idx)| inner.pools.get(pool).map(|ps| (ps, *idx)))
+            .collect();
+        if items.len() != due.len() {
+            continue; // unreachable: leases are only made for known pools
         }
-        let mut inv = inner.renew_script.prepare_invoke();
-        for (k, ..) in &due {
-            inv.key(k);
-        }
-        inv.arg(&inner.token).arg(inner.ttl.as_millis() as u64);
-        let r: Result<Vec<i64>, SlotError> = async {
-            let mut conn = inner.pool.get().await?;
-            Ok(inv.invoke_async(&mut *conn).await?)
-        }
-        .await;
-        match r {
+        match renew(&inner, &items, &all).await {
             Ok(flags) => {
-                for ((key, lost, pool, idx), ok) in due.iter().zip(flags) {
-                    if ok == 0 && !lost.swap(true, Ordering::SeqCst) {
-                        let mut held = lock(&inner.held);
-                        if held.get(key).is_some_and(|h| Arc::ptr_eq(&h.lost, lost)) {
-                            held.remove(key);
+                for ((key, lost, pool, idx), r) in due.iter().zip(flags) {
+                    match r {
+                        Renewed::Extended => {}
+                        Renewed::Retaken => {
+                            tracing::warn!(
+                                pool = %pool,
+                                slot = idx,
+                                "slot lease had lapsed (process paused or cut off from Redis); \
+                                 the slot was still free and is ours again"
+                            );
+                            metrics::counter!("llm_worker_slot_leases_retaken_total", "pool" => pool.clone())
+                                .increment(1);
                         }
-                        drop(held);
-                        lease_lost(
-                            pool,
-                            *idx,
-                            "expired before renewal (process paused or Redis unreachable)",
-                        );
+                        Renewed::Lost => {
+                            // Only a lease still in the table was lost; one whose release
+                            // ran while this renewal was on the wire was simply released.
+                            let mut held = lock(&inner.held);
+                            let current = held.get(key).is_some_and(|h| Arc::ptr_eq(&h.lost, lost));
+                            if current {
+                                held.remove(key);
+                            }
+                            drop(held);
+                            if current && !lost.swap(true, Ordering::SeqCst) {
+                                lease_lost(
+                                    pool,
+                                    *idx,
+                                    "expired and taken by another holder before renewal \
+                                     (process paused or cut off from Redis)",
+                                );
+                            }
+                        }
                     }
                 }
             }
             Err(e) => {
                 if !renew_failing {
-                    tracing::warn!(error = %e, "slot renewal failed; retrying every tick (leases expire if this lasts past slots.ttl_ms)");
+                    tracing::warn!(error = %e, "slot renewal failed; retrying every tick (time Redis cannot answer does not count against a lease; a lease of this process lapses only if Redis answers others but not us past slots.ttl_ms)");
                     renew_failing = true;
                 }
                 continue;

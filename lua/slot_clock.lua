@@ -1,0 +1,53 @@
+-- Shared prelude of every slot script (prepended to it in src/slots.rs): the pool's
+-- lease clock, so that time in which Redis itself could not answer does not count
+-- against a lease's holder.
+--
+-- Every slot key has a shadow entry in the pool's lease hash (KEYS: `{ns}:slotlease:<pool>`):
+--   field <i> = "<token>|<deadline ms, server TIME>|<lease length ms>", written by whoever
+--   sets the key (take, hand-off, renewal, restore) and removed with it (release);
+--   field t   = server TIME (ms) of the last slot script that ran for this pool.
+-- Every live worker runs a slot script at least every ttl/8 (its renewer ticks even when
+-- it holds nothing), so a gap larger than `gap` ms (ttl/2) between two scripts means
+-- nobody could reach Redis: it was stopped, busy forking, failing over, or cut off. Slot
+-- keys' PX expiry runs on the wall clock, so after such a gap leases may have lapsed
+-- while their calls still run. Then every lease that was live when Redis was last seen
+-- (deadline > t) gets its key back, with the same token and its full length from now,
+-- before this script (or anyone) may take a slot. A key that holds another token is
+-- never touched: a slot key is only written by its token's holder, or restored to it.
+-- Returns the server time now, in ms.
+local function slot_clock(h, slot_prefix, gap)
+  local tm = redis.call('TIME')
+  local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
+  local last = tonumber(redis.call('HGET', h, 't'))
+  if last and now - last > tonumber(gap) then
+    local all = redis.call('HGETALL', h)
+    local restored = 0
+    for j = 1, #all, 2 do
+      local f, v = all[j], all[j + 1]
+      if f ~= 't' then
+        local tok, dl, len = string.match(v, '^(.*)|(%d+)|(%d+)$')
+        dl, len = tonumber(dl), tonumber(len)
+        if tok and dl and len and dl > last then
+          local key = slot_prefix .. f
+          local cur = redis.call('GET', key)
+          if cur == false or cur == tok then
+            redis.call('SET', key, tok, 'PX', len)
+            redis.call('HSET', h, f, tok .. '|' .. (now + len) .. '|' .. len)
+            restored = restored + 1
+          end
+        end
+      end
+    end
+    if restored > 0 then
+      redis.log(redis.LOG_NOTICE, 'llm-worker: no slot script for ' .. (now - last) ..
+        ' ms; restored ' .. restored .. ' lease(s) of ' .. h)
+    end
+  end
+  redis.call('HSET', h, 't', now)
+  return now
+end
+
+-- Records a slot key just set to `tok` for `len` ms in the lease hash.
+local function slot_note(h, idx, tok, now, len)
+  redis.call('HSET', h, idx, tok .. '|' .. (now + tonumber(len)) .. '|' .. len)
+end

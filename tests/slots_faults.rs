@@ -1,0 +1,401 @@
+//! Fleet-wide slots under faults (issue 8, points 9 and 12, and lease renewal), on the
+//! real binary, a real redis-server and the simulated provider:
+//! - a slot handed to a waiting process that was SIGKILLed is lost to the fleet only for
+//!   a short hand-off lease, not for `slots.ttl_ms`;
+//! - a redis-server stopped (SIGSTOP) for twice `slots.ttl_ms` while calls run does not
+//!   let waiting work take the slots of the running calls;
+//! - a call much longer than `slots.ttl_ms` keeps its slot key (same token) throughout.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::SimOptions;
+use llm_worker::slots::Slots;
+use redis::AsyncCommands;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+type Conn = redis::aio::MultiplexedConnection;
+
+const SLOT0: &str = "{llm}:slot:default:0";
+
+/// A `Slots` of the library with its own consumer name behaves as one more process:
+/// its own token, driver task and connections.
+async fn slots_for(tc: &TestConfig, consumer: &str, cancel: &CancellationToken) -> Slots {
+    let mut cfg = tc.parsed();
+    cfg.queue.consumer = consumer.to_string();
+    let pool = llm_worker::queue::command_pool(&cfg, 16).expect("pool");
+    let s = tokio::time::timeout(Duration::from_secs(5), Slots::connect(&cfg, pool))
+        .await
+        .expect("connect in time")
+        .expect("connect");
+    s.spawn_background(cancel.clone());
+    s
+}
+
+/// The holder token of a slot key now; a Redis error fails the test (never "free").
+async fn holder(conn: &mut Conn, key: &str) -> Option<String> {
+    tokio::time::timeout(Duration::from_secs(5), conn.get::<_, Option<String>>(key))
+        .await
+        .expect("GET in time")
+        .expect("GET slot key")
+}
+
+/// True once `token` is in the waiter queue of pool `default`.
+async fn queued(conn: &Conn, token: &str, timeout: Duration) -> bool {
+    wait_for(timeout, || {
+        let mut c = conn.clone();
+        let tok = token.to_string();
+        async move {
+            c.zscore::<_, _, Option<f64>>("{llm}:slotq:default", tok)
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        }
+    })
+    .await
+}
+
+/// The redis-server's own pid (from `INFO server`), to stop and continue it.
+async fn redis_pid(conn: &mut Conn) -> u32 {
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(conn)
+        .await
+        .expect("INFO server");
+    info.lines()
+        .find_map(|l| l.strip_prefix("process_id:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("process_id in INFO server")
+}
+
+/// Responses the sim has answered so far (all models).
+fn answered(sim: &SimHandle) -> u64 {
+    sim.sim.stats().billed.values().map(|b| b.responses).sum()
+}
+
+/// Point 9: a slot released to a waiting process that was SIGKILLed a moment before (its
+/// liveness key still there, so it is still the queue's head) reaches the next waiter
+/// after the short hand-off lease, not after `slots.ttl_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_handed_to_a_sigkilled_waiter_comes_back_well_before_ttl() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 10_000;
+    let ttl = Duration::from_millis(tc.ttl_ms);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let cancel = CancellationToken::new();
+    let t = Duration::from_secs(5);
+
+    // The holder (this test, as process "ph") takes the only slot.
+    let holder_slots = slots_for(&tc, "ph", &cancel).await;
+    let lease = tokio::time::timeout(t, holder_slots.acquire("default", t)).await??;
+    // W: a real worker whose job waits for that slot.
+    let mut w = WorkerProc::spawn(&cfg, "ww", &[]);
+    push(&mut conn, "llm", &jobs("w", 1)).await;
+    assert!(
+        wait_slot_queue(&conn, "ww", Duration::from_secs(10)).await,
+        "W queues for the slot\n{}",
+        w.log()
+    );
+    // C (as process "pc") queues behind W.
+    let c_slots = slots_for(&tc, "pc", &cancel).await;
+    let cs = c_slots.clone();
+    let c_wait = tokio::spawn(async move {
+        let l = cs.acquire("default", Duration::from_secs(30)).await;
+        (l, Instant::now())
+    });
+    assert!(queued(&conn, c_slots.token(), t).await, "C queues behind W");
+
+    w.signal(libc_sig::KILL);
+    assert!(wait_exit(&mut w, t).await.is_some(), "W exits on SIGKILL");
+    let released = Instant::now();
+    lease.release().await?;
+    let handed = holder(&mut conn, SLOT0).await;
+    assert!(
+        handed.as_deref().is_some_and(|v| v.starts_with("ww:")),
+        "the release hands the slot to W, which is still the live head of the queue: {handed:?}"
+    );
+
+    let (got, at) = tokio::time::timeout(ttl + Duration::from_secs(10), c_wait).await??;
+    let got = got?;
+    let took = at.duration_since(released);
+    eprintln!(
+        "slot handed to a SIGKILLed waiter reached the next waiter after {took:?} (ttl {ttl:?})"
+    );
+    assert!(
+        took < ttl / 4,
+        "the slot handed to the dead waiter reaches the next one well before ttl ({ttl:?}): took {took:?}"
+    );
+    assert_eq!(
+        holder(&mut conn, SLOT0).await.as_deref(),
+        Some(c_slots.token())
+    );
+    got.release().await?;
+    for s in [&holder_slots, &c_slots] {
+        tokio::time::timeout(t, s.release_all()).await??;
+    }
+    cancel.cancel();
+    assert!(holder(&mut conn, SLOT0).await.is_none(), "no slot key left");
+    Ok(())
+}
+
+/// Point 12: N long calls run (latency >> ttl) and more jobs wait, in two processes;
+/// redis-server is stopped for twice `slots.ttl_ms`, then continued. The time Redis could
+/// not answer does not count against the holders: the provider never sees more than N
+/// calls at once, no lease is reported lost, every job ends `ok` with one call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_for_twice_the_ttl_keeps_the_fleet_limit() -> anyhow::Result<()> {
+    const N: u64 = 2;
+    const JOBS: usize = 4;
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 4000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = N as u32;
+    tc.ttl_ms = 1000;
+    tc.concurrency = 4;
+    let ttl = Duration::from_millis(tc.ttl_ms);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let pid = redis_pid(&mut conn).await;
+    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
+    let mut b = WorkerProc::spawn(&cfg, "wb", &[]);
+    for w in [&a, &b] {
+        assert!(
+            wait_log(w, "worker started", Duration::from_secs(10)).await,
+            "{}",
+            w.log()
+        );
+    }
+    push(&mut conn, "llm", &jobs("job", JOBS)).await;
+    let running = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        let sim = sim.sim.clone();
+        async move {
+            let waiting: u64 = c.zcard("{llm}:slotq:default").await.unwrap_or(0);
+            sim.stats().in_flight == N && waiting > 0
+        }
+    })
+    .await;
+    assert!(
+        running,
+        "N calls run and more jobs wait for a slot\n{}",
+        logs_tail(&[&a, &b], 30)
+    );
+
+    signal(pid, libc_sig::STOP);
+    let stopped = Instant::now();
+    tokio::time::sleep(2 * ttl).await; // the fault itself: Redis answers nobody this long
+    signal(pid, libc_sig::CONT);
+    eprintln!("redis-server stopped for {:?}", stopped.elapsed());
+
+    context(
+        wait_len(
+            &mut conn,
+            "{llm}:results",
+            JOBS as u64,
+            Duration::from_secs(40),
+        )
+        .await,
+        &[&a, &b],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, JOBS);
+    let stats = sim.sim.stats();
+    eprintln!(
+        "Redis stopped for 2 x ttl: max calls in flight {} (N = {N})",
+        stats.max_in_flight
+    );
+    assert!(
+        stats.max_in_flight <= N,
+        "the provider saw {} calls at once, more than N = {N}\n{}",
+        stats.max_in_flight,
+        logs_tail(&[&a, &b], 40)
+    );
+    assert_eq!(
+        answered(&sim),
+        JOBS as u64,
+        "one call per job, none aborted or repeated"
+    );
+    for w in [&a, &b] {
+        let log = w.log();
+        assert!(
+            !log.contains("lease lost"),
+            "no lease is reported lost\n{log}"
+        );
+    }
+    for w in [&mut a, &mut b] {
+        stop_clean(w, Duration::from_secs(6)).await;
+    }
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// Lease renewal: a call of 3x `slots.ttl_ms` while another process waits for the only
+/// slot keeps its slot key, with the same token, for the whole call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_call_keeps_its_slot_key_through_renewals() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 3000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 1000;
+    tc.concurrency = 1;
+    let ttl = Duration::from_millis(tc.ttl_ms);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
+    let mut b = WorkerProc::spawn(&cfg, "wb", &[]);
+    for w in [&a, &b] {
+        assert!(
+            wait_log(w, "worker started", Duration::from_secs(10)).await,
+            "{}",
+            w.log()
+        );
+    }
+    push(&mut conn, "llm", &jobs("job", 2)).await;
+    // The first call starts; the other process's job waits for the slot.
+    let started = wait_for(Duration::from_secs(10), || {
+        let sim = sim.sim.clone();
+        async move { sim.stats().in_flight == 1 }
+    })
+    .await;
+    assert!(started, "a call starts\n{}", logs_tail(&[&a, &b], 30));
+    let first_seen = Instant::now();
+    let token = holder(&mut conn, SLOT0).await;
+    let Some(token) = token else {
+        panic!("the running call's slot key exists");
+    };
+    let contender = wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        async move { c.zcard::<_, u64>("{llm}:slotq:default").await.unwrap_or(0) > 0 }
+    })
+    .await;
+    assert!(contender, "the other job waits for the slot");
+    // Poll the key until the first call has answered: the key read before the sim says
+    // the call is still running must hold the same token.
+    let mut polls = 0u32;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = holder(&mut conn, SLOT0).await;
+        if answered(&sim) > 0 {
+            break;
+        }
+        polls += 1;
+        assert_eq!(
+            now.as_deref(),
+            Some(token.as_str()),
+            "slot key changed while its call runs, {:?} after the call started\n{}",
+            first_seen.elapsed(),
+            logs_tail(&[&a, &b], 30)
+        );
+        assert!(Instant::now() < deadline, "the first call never answered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let held_for = first_seen.elapsed();
+    eprintln!("slot key kept its token for {held_for:?} ({polls} polls, ttl {ttl:?})");
+    assert!(
+        held_for >= 2 * ttl,
+        "observed for at least 2x ttl, so renewal was needed: {held_for:?}"
+    );
+    context(
+        wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(20)).await,
+        &[&a, &b],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 2);
+    assert_eq!(
+        sim.sim.stats().max_in_flight,
+        1,
+        "never more than N = 1 call"
+    );
+    for w in [&a, &b] {
+        assert!(!w.log().contains("lease lost"), "{}", w.log());
+    }
+    for w in [&mut a, &mut b] {
+        stop_clean(w, Duration::from_secs(6)).await;
+    }
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// Point 12, second half: a holder whose lease lapsed while its process was paused
+/// (SIGSTOP past `slots.ttl_ms`; another process keeps Redis's lease clock going, so this
+/// is not a Redis stall) takes its own slot again when it resumes, if nobody took it
+/// meanwhile, instead of finishing its call without a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_holder_retakes_its_own_free_slot() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 4000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 1000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let cancel = CancellationToken::new();
+    // Another live process of the fleet: holds nothing, waits for nothing.
+    let other = slots_for(&tc, "pt", &cancel).await;
+    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
+    push(&mut conn, "llm", &jobs("job", 1)).await;
+    let running = wait_for(Duration::from_secs(10), || {
+        let sim = sim.sim.clone();
+        async move { sim.stats().in_flight == 1 }
+    })
+    .await;
+    assert!(running, "A's call runs\n{}", a.log());
+    let token = holder(&mut conn, SLOT0).await.expect("A holds the slot");
+    assert!(token.starts_with("wa:"), "{token}");
+
+    a.signal(libc_sig::STOP);
+    let lapsed = wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        async move { holder(&mut c, SLOT0).await.is_none() }
+    })
+    .await;
+    a.signal(libc_sig::CONT);
+    assert!(lapsed, "A's lease lapses while A is stopped");
+    let retaken = wait_for(Duration::from_secs(3), || {
+        let mut c = conn.clone();
+        let t = token.clone();
+        async move { holder(&mut c, SLOT0).await.as_deref() == Some(t.as_str()) }
+    })
+    .await;
+    assert!(
+        retaken,
+        "A takes its own free slot again on resuming\n{}",
+        a.log()
+    );
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(10)).await,
+        &[&a],
+    )?;
+    assert_all_ok_once(&entries(&mut conn, "{llm}:results").await, 1);
+    let log = a.log();
+    assert!(!log.contains("lease lost"), "{log}");
+    assert!(log.contains("is ours again"), "{log}");
+    stop_clean(&mut a, Duration::from_secs(6)).await;
+    tokio::time::timeout(Duration::from_secs(5), other.release_all()).await??;
+    cancel.cancel();
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
