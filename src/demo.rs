@@ -197,12 +197,14 @@ pub async fn run(
     if args.own_redis || !redis_answers(&cfg).await {
         let t = TempRedis::start().await?;
         cfg.redis.url = t.url.clone();
+        // The temporary server has no password; the configured Redis's is not for it.
+        cfg.redis.password = None;
         _temp = Some(t);
         println!("started a temporary redis-server at {}", cfg.redis.url);
     } else {
         println!(
             "using the Redis at {}",
-            crate::daemon::redact_url(&cfg.redis.url)
+            crate::config::redact_url(&cfg.redis.url)
         );
     }
     let ns = format!(

@@ -473,8 +473,8 @@ async fn unix_url_password_is_never_printed() {
         assert_eq!(out.code, Some(0), "{scheme}: status: {}", out.all());
         assert!(!out.all().contains(PW), "{scheme}: status: {}", out.all());
         // The same URL through the override variable.
-        let plain = TestConfig::with_urls(&dead_redis_url(), unused_sim())
-            .write(dir.path(), "plain.toml");
+        let plain =
+            TestConfig::with_urls(&dead_redis_url(), unused_sim()).write(dir.path(), "plain.toml");
         let out = run_bin_async(
             &["--config", plain.to_str().unwrap(), "status"],
             &[("LLM_WORKER__REDIS__URL", &url)],
@@ -484,4 +484,27 @@ async fn unix_url_password_is_never_printed() {
         assert_eq!(out.code, Some(0), "{scheme}: status via env: {}", out.all());
         assert!(!out.all().contains(PW), "{scheme}: {}", out.all());
     }
+}
+
+/// Issue 8 point 10: the start-up error ("cannot reach Redis") names the URL; with a
+/// `unix://...?pass=` URL it must not name the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_error_log_hides_the_unix_url_password() {
+    const PW: &str = "SECRET-startup-pw-41c2";
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "unix://{}?pass={PW}",
+        dir.path().join("nobody-listens.sock").display()
+    );
+    let cfg = TestConfig::with_urls(&url, unused_sim()).write(dir.path(), "c.toml");
+    let mut w = WorkerProc::spawn(&cfg, "w", &[]);
+    assert!(
+        wait_log(&w, "cannot reach Redis", T).await,
+        "no start-up error: {}",
+        w.log()
+    );
+    stop_clean(&mut w, T).await;
+    let log = w.log();
+    assert!(log.contains("nobody-listens.sock"), "{log}");
+    assert!(!log.contains(PW), "{log}");
 }
