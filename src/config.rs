@@ -6,8 +6,11 @@
 //! - API keys are read from the environment variable a provider names and live only in
 //!   [`Secret`], whose `Debug`/`Display`/`Serialize` print `[redacted]`;
 //! - a validated [`Config`] has: at least one slot per pool, every route naming known
-//!   models, every model naming a known provider and pool, prices with at most 6 decimal
-//!   places per million tokens (so costs are exact in pico-dollars).
+//!   models, every model naming a known provider and pool, prices between 0 and
+//!   1,000,000 USD per million tokens with at most 6 decimal places (so costs are exact
+//!   in pico-dollars and cannot overflow, see [`crate::cost`]);
+//! - `redis.url` parses the way redis-rs parses it and holds no password (that moved
+//!   into `redis.password`); [`redact_url`] is the one URL redactor.
 
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
@@ -731,15 +734,23 @@ fn default_consumer(env: &std::collections::HashMap<String, String>) -> String {
     format!("{host}-{}", std::process::id())
 }
 
-/// Largest number of decimal places a price may have: one millionth of a USD per
-/// million tokens is one pico-dollar per token, so every cost stays an exact integer.
-const MAX_PRICE_SCALE: u32 = 6;
+use crate::cost::{MAX_PRICE_PER_MTOK, MAX_PRICE_SCALE};
 
 fn check_price(key: String, value: Decimal) -> Result<(), ConfigError> {
     if value.is_sign_negative() && !value.is_zero() {
         return Err(ConfigError::invalid(
             key,
             format!("price must not be negative, got {value}"),
+        ));
+    }
+    // The cap keeps every cost computable exactly (see `cost`): no overflow for any
+    // token count a provider can report.
+    if value > MAX_PRICE_PER_MTOK {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "price {value} USD per million tokens is above the maximum {MAX_PRICE_PER_MTOK}; check the unit (USD per million tokens, not per token)"
+            ),
         ));
     }
     if value.normalize().scale() > MAX_PRICE_SCALE {
@@ -1183,6 +1194,15 @@ mod tests {
             "output_per_mtok = -0.42",
         ));
         assert_eq!(key, "models.deepseek-v3.2.output_per_mtok");
+        // Issue 8 point 3: a price above the cap would let a cost overflow.
+        let (key, message) = err_key(demo_with(
+            "output_per_mtok = 0.42",
+            "output_per_mtok = \"100000000000000000000\"",
+        ));
+        assert_eq!(key, "models.deepseek-v3.2.output_per_mtok");
+        assert!(message.contains("1000000"), "{message}");
+        demo_with("output_per_mtok = 0.42", "output_per_mtok = 1000000")
+            .expect("the cap itself is allowed");
         // Six places are fine, and strings are accepted too.
         demo_with("input_per_mtok = 0.14 ", "input_per_mtok = \"0.140001\" ")
             .expect("six decimal places");

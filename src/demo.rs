@@ -374,7 +374,7 @@ pub async fn run(
                 completion_tokens: b.completion_tokens,
                 cached_tokens: b.cached_tokens,
             };
-            Some(cost::cost(&u, &price))
+            cost::checked_cost(&u, &price).ok()
         })
         .sum();
     let secs = elapsed.as_secs_f64().max(0.001);

@@ -74,7 +74,12 @@ impl Bill {
         let entry = self.per_model.entry(model.to_string()).or_default();
         entry.2 += 1;
         if let Some(u) = usage {
-            let c = cost::cost(&u, price);
+            // Never a panic: an uncomputable cost (implausible usage) is reported, counted 0.
+            let c = cost::checked_cost(&u, price).unwrap_or_else(|e| {
+                tracing::error!(model = %model, error = %e, "cannot price a call");
+                self.warnings.push(format!("{model}: {e}"));
+                Decimal::ZERO
+            });
             self.usage.add(&u);
             self.cost += c;
             entry.0.add(&u);
