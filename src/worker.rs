@@ -766,6 +766,7 @@ fn class_label(c: &ErrorClass) -> &'static str {
         ErrorClass::Transient => "transient",
         ErrorClass::RateLimited { .. } => "rate_limited",
         ErrorClass::ProviderRejected => "rejected",
+        ErrorClass::AccessDenied => "access_denied",
         ErrorClass::ContextTooLong => "context_too_long",
         ErrorClass::Fatal => "fatal",
     }
