@@ -6,8 +6,11 @@
 //! - API keys are read from the environment variable a provider names and live only in
 //!   [`Secret`], whose `Debug`/`Display`/`Serialize` print `[redacted]`;
 //! - a validated [`Config`] has: at least one slot per pool, every route naming known
-//!   models, every model naming a known provider and pool, prices with at most 6 decimal
-//!   places per million tokens (so costs are exact in pico-dollars).
+//!   models, every model naming a known provider and pool, prices between 0 and
+//!   1,000,000 USD per million tokens with at most 6 decimal places (so costs are exact
+//!   in pico-dollars and cannot overflow, see [`crate::cost`]);
+//! - `redis.url` parses the way redis-rs parses it and holds no password (that moved
+//!   into `redis.password`); [`redact_url`] is the one URL redactor.
 
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
@@ -63,14 +66,18 @@ pub struct Config {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RedisConfig {
-    /// `redis://` or `rediss://`. A password in the URL is redacted on output.
+    /// `redis://`, `rediss://` (TLS), `unix://` or `redis+unix://`, parsed at load the way
+    /// redis-rs parses it. Validation moves a password in it (`user:PASSWORD@`,
+    /// `?pass=PASSWORD`) into `password` and leaves the URL without it, so printing
+    /// `redis.url` can never show a password.
     pub url: String,
     /// Environment variable holding the Redis password (used when set and non-empty).
     pub password_env: String,
     /// PEM file of the CA that signed the server's certificate, for `rediss://` with a
     /// private CA. Empty = the public web roots.
     pub tls_ca_file: String,
-    /// Filled by validation from `password_env`.
+    /// Filled by validation: from `password_env` when that variable is set and
+    /// non-empty, else the password that was in `url`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub password: Option<Secret>,
 }
@@ -379,7 +386,9 @@ impl Config {
     /// The effective config as TOML, with secrets and URL passwords redacted.
     pub fn redacted_toml(&self) -> String {
         let mut shown = self.clone();
-        shown.redis.url = redact_url_password(&shown.redis.url);
+        // Validation already took the password out of the URL; redacting again keeps
+        // this true for a `Config` changed after validation (the demo sets the URL).
+        shown.redis.url = redact_url(&shown.redis.url);
         match toml::to_string(&shown) {
             Ok(s) => s,
             // Cannot happen for this shape (all maps keyed by strings, no bare `None`),
@@ -535,21 +544,178 @@ fn key_and_message(parent: String, message: &str) -> (String, String) {
     (parent, message.to_string())
 }
 
-/// `scheme://user:password@host/...` -> `scheme://user:[redacted]@host/...`.
-fn redact_url_password(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+/// A `redis.url` split in two: the URL without its password (safe to print, and what
+/// [`Config`] keeps in `redis.url`) and the password, percent-decoded, as a [`Secret`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SplitRedisUrl {
+    /// The URL as written, minus the password (`redis://user@host:6379/0`,
+    /// `unix:///run/redis.sock?db=2`). Connecting with it plus `password` is the same as
+    /// connecting with the original URL.
+    pub url: String,
+    /// From `redis://user:PASSWORD@host` or `unix:///path?pass=PASSWORD`.
+    pub password: Option<Secret>,
+}
+
+/// The URL forms accepted in `redis.url`, for error messages (no values echoed: a URL that
+/// does not parse cannot be redacted reliably).
+const REDIS_URL_FORMS: &str = "redis://[user[:password]@]host[:port][/db], \
+     rediss://...[#insecure], unix:///path/to/redis.sock[?db=N&user=U&pass=P]";
+
+/// Parses a Redis URL with the rules redis-rs applies (`redis::IntoConnectionInfo` for
+/// `&str`), so that a URL accepted here fails at connect time only for network reasons,
+/// never for its syntax; and splits off the password.
+///
+/// Rules mirrored: scheme `redis`, `rediss`, `unix` or `redis+unix`; TCP: a host that is
+/// not a wildcard address, a numeric port, a numeric database as the path, a UTF-8
+/// user and password after percent-decoding, `#insecure` as the only fragment of
+/// `rediss://`; unix: a socket path, `db` numeric; both: `protocol` one of 2, resp2, 3,
+/// resp3. Stricter than redis-rs where it ignores a password silently (a `?pass=` on a
+/// TCP URL, a `user:pass@` on a unix URL): those are errors rather than a connection
+/// without the password the operator meant to send.
+pub fn split_redis_url(raw: &str) -> Result<SplitRedisUrl, String> {
+    let mut u = url::Url::parse(raw)
+        .map_err(|e| format!("not a valid Redis URL ({e}); expected {REDIS_URL_FORMS}"))?;
+    let query: Vec<(String, String)> = u
+        .query_pairs()
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    // redis-rs collects the query into a map: the last value of a name wins.
+    let param = |name: &str| {
+        query
+            .iter()
+            .rev()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    let Some(at) = authority.rfind('@') else {
-        return url.to_string();
-    };
-    let (userinfo, host) = authority.split_at(at);
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:[redacted]{host}{path}"),
-        None => url.to_string(),
+    if let Some(p) = param("protocol")
+        && !matches!(p, "2" | "resp2" | "3" | "resp3")
+    {
+        return Err(format!(
+            "query parameter protocol={p:?} is not one of 2, resp2, 3, resp3"
+        ));
     }
+    let decode = |what: &str, s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .map(|c| c.into_owned())
+            .map_err(|_| format!("the {what} is not valid UTF-8 after percent-decoding"))
+    };
+    match u.scheme() {
+        "redis" | "rediss" => {
+            let host = match u.host() {
+                Some(url::Host::Domain(d)) => d.to_string(),
+                Some(url::Host::Ipv4(a)) => a.to_string(),
+                Some(url::Host::Ipv6(a)) => a.to_string(),
+                None => return Err(format!("has no host; expected {REDIS_URL_FORMS}")),
+            };
+            if host == "0.0.0.0" || host == "::" {
+                return Err(format!(
+                    "host {host} is a wildcard address; name the server to connect to"
+                ));
+            }
+            let db = u.path().trim_matches('/');
+            if !db.is_empty() && db.parse::<i64>().is_err() {
+                return Err(format!(
+                    "database {db:?} (the path) is not a number; write redis://host:port/<db>, e.g. /0"
+                ));
+            }
+            if u.scheme() == "rediss" && !matches!(u.fragment(), None | Some("insecure")) {
+                return Err("the only fragment rediss:// accepts is #insecure".into());
+            }
+            if param("pass").is_some() || param("password").is_some() {
+                return Err(
+                    "a password in the query is ignored by redis://; write redis://:PASSWORD@host or use redis.password_env"
+                        .into(),
+                );
+            }
+            decode("user name", u.username())?;
+            let password = match u.password() {
+                Some(p) => Some(Secret::new(decode("password", p)?)),
+                None => None,
+            };
+            if password.is_some() && u.set_password(None).is_err() {
+                return Err("cannot remove the password from the URL".into());
+            }
+            Ok(SplitRedisUrl {
+                url: u.to_string(),
+                password,
+            })
+        }
+        "unix" | "redis+unix" => {
+            if u.to_file_path().is_err() {
+                return Err(format!(
+                    "has no absolute socket path; expected {REDIS_URL_FORMS}"
+                ));
+            }
+            if u.password().is_some() || !u.username().is_empty() {
+                return Err(
+                    "a unix:// URL takes its user and password as ?user=U&pass=P, not before an @"
+                        .into(),
+                );
+            }
+            if let Some(db) = param("db")
+                && db.parse::<i64>().is_err()
+            {
+                return Err(format!(
+                    "query parameter db={db:?} is not a number; write ?db=0"
+                ));
+            }
+            let password = param("pass").map(Secret::new);
+            let kept: Vec<&(String, String)> = query.iter().filter(|(k, _)| k != "pass").collect();
+            if kept.len() != query.len() {
+                if kept.is_empty() {
+                    u.set_query(None);
+                } else {
+                    u.query_pairs_mut().clear().extend_pairs(kept);
+                }
+            }
+            Ok(SplitRedisUrl {
+                url: u.to_string(),
+                password,
+            })
+        }
+        other => Err(format!(
+            "scheme {other}:// is not one of redis://, rediss://, unix://, redis+unix://"
+        )),
+    }
+}
+
+/// The one URL redactor: any URL -> the same URL with every password replaced by
+/// `[redacted]` (the userinfo password, and `pass`/`password` query parameters as
+/// `unix://` URLs carry them). For logs and output (`check-config`, `status`, the
+/// start-up error, the demo).
+///
+/// Invariant: the result never contains a password of `url`. A text that does not parse
+/// as a URL is not echoed at all (its password could sit anywhere in it).
+pub fn redact_url(url: &str) -> String {
+    // A marker that survives URL serialisation unescaped, swapped for `[redacted]` at the
+    // end (brackets would be percent-encoded in userinfo and query).
+    const MARK: &str = "REDACTEDx9q7MARK";
+    let Ok(mut u) = url::Url::parse(url) else {
+        return "[a URL that does not parse; not shown]".to_string();
+    };
+    if u.password().is_some() && u.set_password(Some(MARK)).is_err() {
+        return "[a URL whose password cannot be masked; not shown]".to_string();
+    }
+    let secret_param = |k: &str| {
+        let k = k.to_ascii_lowercase();
+        k == "pass" || k == "password"
+    };
+    if u.query_pairs().any(|(k, _)| secret_param(&k)) {
+        let pairs: Vec<(String, String)> = u
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if secret_param(&k) {
+                    MARK.to_string()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        u.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    u.to_string().replace(MARK, "[redacted]")
 }
 
 /// `<hostname>-<pid>`: `$HOSTNAME`, else `/etc/hostname`, else `worker`.
@@ -568,15 +734,23 @@ fn default_consumer(env: &std::collections::HashMap<String, String>) -> String {
     format!("{host}-{}", std::process::id())
 }
 
-/// Largest number of decimal places a price may have: one millionth of a USD per
-/// million tokens is one pico-dollar per token, so every cost stays an exact integer.
-const MAX_PRICE_SCALE: u32 = 6;
+use crate::cost::{MAX_PRICE_PER_MTOK, MAX_PRICE_SCALE};
 
 fn check_price(key: String, value: Decimal) -> Result<(), ConfigError> {
     if value.is_sign_negative() && !value.is_zero() {
         return Err(ConfigError::invalid(
             key,
             format!("price must not be negative, got {value}"),
+        ));
+    }
+    // The cap keeps every cost computable exactly (see `cost`): no overflow for any
+    // token count a provider can report.
+    if value > MAX_PRICE_PER_MTOK {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "price {value} USD per million tokens is above the maximum {MAX_PRICE_PER_MTOK}; check the unit (USD per million tokens, not per token)"
+            ),
         ));
     }
     if value.normalize().scale() > MAX_PRICE_SCALE {
@@ -618,17 +792,11 @@ impl Config {
         &mut self,
         env: &std::collections::HashMap<String, String>,
     ) -> Result<(), ConfigError> {
+        // The password leaves the URL here, so no later print of `redis.url` can show it.
+        let split =
+            split_redis_url(&self.redis.url).map_err(|m| ConfigError::invalid("redis.url", m))?;
+        self.redis.url = split.url;
         let url = &self.redis.url;
-        require(
-            ["redis://", "rediss://", "unix://", "redis+unix://"]
-                .iter()
-                .any(|s| url.starts_with(s)),
-            "redis.url",
-            format!(
-                "must start with redis://, rediss:// or unix://, got {:?}",
-                redact_url_password(url)
-            ),
-        )?;
         if !self.redis.tls_ca_file.is_empty() {
             require(
                 url.starts_with("rediss://"),
@@ -642,6 +810,9 @@ impl Config {
             )?;
         }
         // The password is optional: a missing variable means "no password" (local Redis).
+        // The variable wins over a password in the URL (as it always has: it is the one
+        // an operator can change without editing the file).
+        self.redis.password = split.password;
         if !self.redis.password_env.is_empty()
             && let Some(pw) = env.get(&self.redis.password_env)
             && !pw.is_empty()
@@ -1023,6 +1194,15 @@ mod tests {
             "output_per_mtok = -0.42",
         ));
         assert_eq!(key, "models.deepseek-v3.2.output_per_mtok");
+        // Issue 8 point 3: a price above the cap would let a cost overflow.
+        let (key, message) = err_key(demo_with(
+            "output_per_mtok = 0.42",
+            "output_per_mtok = \"100000000000000000000\"",
+        ));
+        assert_eq!(key, "models.deepseek-v3.2.output_per_mtok");
+        assert!(message.contains("1000000"), "{message}");
+        demo_with("output_per_mtok = 0.42", "output_per_mtok = 1000000")
+            .expect("the cap itself is allowed");
         // Six places are fine, and strings are accepted too.
         demo_with("input_per_mtok = 0.14 ", "input_per_mtok = \"0.140001\" ")
             .expect("six decimal places");
@@ -1251,10 +1431,12 @@ mod tests {
         assert!(!text.contains(KEY), "{text}");
         assert!(!text.contains("hunter2"), "{text}");
         assert!(!text.contains("pw-from-env"), "{text}");
+        // The password left the URL at load; `password` shows that there is one.
         assert!(
-            text.contains("redis://user:[redacted]@db.example:6380/0"),
+            text.contains("url = \"redis://user@db.example:6380/0\""),
             "{text}"
         );
+        assert!(text.contains("password = \"[redacted]\""), "{text}");
         // Valid TOML, and (secrets aside) it loads back into the same config.
         let value: toml::Table = toml::from_str(&text).expect("valid TOML");
         assert!(value.contains_key("models"));
@@ -1272,18 +1454,162 @@ mod tests {
         assert_eq!(back.queue.consumer, c.queue.consumer);
     }
 
+    /// Every URL form redis-rs accepts (and a few it refuses), with the password each
+    /// carries (`None`: no password; the URL must still parse).
+    const URL_FORMS: &[(&str, Option<&str>)] = &[
+        ("redis://127.0.0.1:6379", None),
+        ("redis://h", None),
+        ("redis://user@h:1/3", None),
+        ("redis://user:pw1@h:6380/0", Some("pw1")),
+        ("redis://:pw2@h:1", Some("pw2")),
+        ("redis://u:p%40ss%3Aw0rd@h/2", Some("p@ss:w0rd")),
+        ("redis://:pw3@[::1]:6379/1?protocol=resp3", Some("pw3")),
+        ("rediss://u:pw4@db.example:6380/0", Some("pw4")),
+        ("rediss://:pw5@db.example/#insecure", Some("pw5")),
+        ("rediss://db.example:6380/?protocol=3#insecure", None),
+        ("unix:///run/redis.sock", None),
+        ("unix:///run/redis.sock?db=2&pass=pw6", Some("pw6")),
+        ("unix:///run/redis.sock?pass=pw7&db=2&user=bob", Some("pw7")),
+        ("redis+unix:///run/redis.sock?pass=pw8", Some("pw8")),
+        (
+            "redis+unix:///run/redis.sock?protocol=resp3&pass=p%26w9",
+            Some("p&w9"),
+        ),
+    ];
+
     #[test]
-    fn config_redact_url_forms() {
+    fn config_split_redis_url_every_form() {
+        for (raw, pw) in URL_FORMS {
+            let split = split_redis_url(raw).unwrap_or_else(|e| panic!("{raw}: {e}"));
+            assert_eq!(split.password.as_ref().map(Secret::expose), *pw, "{raw}");
+            if let Some(pw) = pw {
+                assert!(!split.url.contains(pw), "{raw} -> {}", split.url);
+            }
+            // The split URL plus the password connects exactly as the original would.
+            let want = redis::IntoConnectionInfo::into_connection_info(*raw)
+                .unwrap_or_else(|e| panic!("redis-rs refuses {raw}: {e}"));
+            let got = redis::IntoConnectionInfo::into_connection_info(split.url.as_str())
+                .unwrap_or_else(|e| panic!("redis-rs refuses split {}: {e}", split.url));
+            assert_eq!(got.addr(), want.addr(), "{raw}");
+            let (w, g) = (want.redis_settings(), got.redis_settings());
+            assert_eq!(g.db(), w.db(), "{raw}");
+            assert_eq!(g.username(), w.username(), "{raw}");
+            assert_eq!(g.protocol(), w.protocol(), "{raw}");
+            assert_eq!(g.password(), None, "{raw}");
+            assert_eq!(w.password(), *pw, "{raw}");
+        }
+    }
+
+    #[test]
+    fn config_split_redis_url_refuses_what_redis_rs_refuses() {
+        for raw in [
+            "redis://127.0.0.1:notaport",
+            "redis://127.0.0.1:6379/abc",
+            "redis://127.0.0.1:99999",
+            "redis://0.0.0.0:6379",
+            "redis://:6379",
+            "rediss://h/#bogus",
+            "redis://h/?protocol=resp9",
+            "unix:///run/redis.sock?db=x",
+            "unix://relative.sock",
+            "http://h:6379",
+            "not a url",
+        ] {
+            assert!(split_redis_url(raw).is_err(), "{raw} accepted");
+            assert!(
+                redis::IntoConnectionInfo::into_connection_info(raw).is_err()
+                    || raw.starts_with("unix://relative")
+                    || raw.starts_with("http://"),
+                "redis-rs accepts {raw}: the rule here is wrong"
+            );
+        }
+        // Stricter than redis-rs, which would silently connect without the password.
+        for raw in ["redis://h?pass=pw", "unix://:pw@localhost/run/redis.sock"] {
+            let e = split_redis_url(raw).expect_err(raw);
+            assert!(!e.contains("pw@") && !e.contains("=pw"), "{e}");
+        }
+        // Errors never echo the URL (it may hold a password).
+        let e = split_redis_url("redis://:hunter2@h:notaport").expect_err("bad port");
+        assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn config_redact_url_every_form() {
+        for (raw, pw) in URL_FORMS {
+            let shown = redact_url(raw);
+            if let Some(pw) = pw {
+                assert!(!shown.contains(pw), "{raw} -> {shown}");
+                // percent-encoded forms too
+                assert!(
+                    !shown.contains("p%40ss") && !shown.contains("p%26w9"),
+                    "{shown}"
+                );
+                assert!(shown.contains("[redacted]"), "{raw} -> {shown}");
+            } else {
+                assert!(!shown.contains("[redacted]"), "{raw} -> {shown}");
+            }
+        }
+        assert_eq!(redact_url("redis://:pw@h:1"), "redis://:[redacted]@h:1");
         assert_eq!(
-            redact_url_password("redis://:pw@h:1"),
-            "redis://:[redacted]@h:1"
-        );
-        assert_eq!(
-            redact_url_password("rediss://u:p@w@h/2"),
+            redact_url("rediss://u:p@w@h/2"),
             "rediss://u:[redacted]@h/2"
         );
-        assert_eq!(redact_url_password("redis://h:6379"), "redis://h:6379");
-        assert_eq!(redact_url_password("redis://user@h"), "redis://user@h");
+        assert_eq!(redact_url("redis://h:6379"), "redis://h:6379");
+        assert_eq!(redact_url("redis://user@h"), "redis://user@h");
+        assert_eq!(
+            redact_url("unix:///run/r.sock?db=2&pass=SECRET&protocol=resp3"),
+            "unix:///run/r.sock?db=2&pass=[redacted]&protocol=resp3"
+        );
+        assert_eq!(
+            redact_url("redis://h?PASSWORD=SECRET"),
+            "redis://h?PASSWORD=[redacted]"
+        );
+        let bad = redact_url("redis://:SECRET@h:notaport");
+        assert!(!bad.contains("SECRET"), "{bad}");
+    }
+
+    #[test]
+    fn config_url_password_becomes_a_secret() {
+        let e = env(&[(
+            "LLM_WORKER__REDIS__URL",
+            "unix:///run/r.sock?db=1&pass=SECRET-pw",
+        )]);
+        let c = Config::from_toml_str(DEMO, &e).expect("unix url");
+        assert_eq!(c.redis.url, "unix:///run/r.sock?db=1");
+        assert_eq!(
+            c.redis.password.as_ref().map(Secret::expose),
+            Some("SECRET-pw")
+        );
+        assert!(!format!("{c:?}").contains("SECRET-pw"));
+        assert!(!c.redacted_toml().contains("SECRET-pw"));
+        // $REDIS_PASSWORD wins over the URL's.
+        let e = env(&[
+            ("LLM_WORKER__REDIS__URL", "redis://:from-url@h:1/0"),
+            ("REDIS_PASSWORD", "from-env"),
+        ]);
+        let c = Config::from_toml_str(DEMO, &e).expect("tcp url");
+        assert_eq!(c.redis.url, "redis://h:1/0");
+        assert_eq!(
+            c.redis.password.as_ref().map(Secret::expose),
+            Some("from-env")
+        );
+    }
+
+    #[test]
+    fn config_bad_redis_url_names_key_and_variable() {
+        let e = env(&[("LLM_WORKER__REDIS__URL", "redis://127.0.0.1:6379/abc")]);
+        let (key, message) = err_key(Config::from_toml_str(DEMO, &e));
+        assert_eq!(key, "redis.url");
+        assert!(message.contains("not a number"), "{message}");
+        assert!(
+            message.ends_with("(set by LLM_WORKER__REDIS__URL)"),
+            "{message}"
+        );
+        let (key, _) = err_key(demo_with(
+            "url = \"redis://127.0.0.1:6379\"",
+            "url = \"redis://127.0.0.1:notaport\"",
+        ));
+        assert_eq!(key, "redis.url");
     }
 
     #[test]

@@ -62,7 +62,7 @@ pub async fn run(
             Ok(s) => break Some(s),
             Err(e) => {
                 if !logged {
-                    tracing::error!(error = %e, url = %redact_url(&cfg.redis.url), "cannot reach Redis at start; retrying until it answers");
+                    tracing::error!(error = %e, url = %crate::config::redact_url(&cfg.redis.url), "cannot reach Redis at start; retrying until it answers");
                     logged = true;
                 }
                 if shutdown.stop.is_cancelled() {
@@ -113,33 +113,4 @@ pub async fn run(
 
 fn log_release_failure(e: &SlotError) {
     tracing::error!(error = %e, "releasing slots failed; their TTL frees them");
-}
-
-/// `redis://user:secret@host` -> `redis://user:[redacted]@host`, for logs and output.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    let (auth, host) = match rest.rsplit_once('@') {
-        Some(x) => x,
-        None => return url.to_string(),
-    };
-    let user = auth.split_once(':').map(|(u, _)| u).unwrap_or("");
-    format!("{scheme}://{user}:[redacted]@{host}")
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn redacts_url_passwords() {
-        assert_eq!(
-            super::redact_url("redis://:pw@h:1/0"),
-            "redis://:[redacted]@h:1/0"
-        );
-        assert_eq!(
-            super::redact_url("rediss://u:p@h"),
-            "rediss://u:[redacted]@h"
-        );
-        assert_eq!(super::redact_url("redis://h:6379"), "redis://h:6379");
-    }
 }

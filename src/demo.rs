@@ -198,12 +198,14 @@ pub async fn run(
     if args.own_redis || !redis_answers(&cfg).await {
         let t = TempRedis::start().await?;
         cfg.redis.url = t.url.clone();
+        // The temporary server has no password; the configured Redis's is not for it.
+        cfg.redis.password = None;
         _temp = Some(t);
         println!("started a temporary redis-server at {}", cfg.redis.url);
     } else {
         println!(
             "using the Redis at {}",
-            crate::daemon::redact_url(&cfg.redis.url)
+            crate::config::redact_url(&cfg.redis.url)
         );
     }
     let ns = format!(
@@ -373,7 +375,7 @@ pub async fn run(
                 completion_tokens: b.completion_tokens,
                 cached_tokens: b.cached_tokens,
             };
-            Some(cost::cost(&u, &price))
+            cost::checked_cost(&u, &price).ok()
         })
         .sum();
     let secs = elapsed.as_secs_f64().max(0.001);

@@ -314,7 +314,9 @@ pub fn classify(
         429 => ErrorClass::RateLimited {
             retry_after: parse_retry_after(headers, now),
         },
-        401 | 403 => ErrorClass::ProviderRejected,
+        // Often about this model only (an aggregator's key without access to it): the
+        // router skips the model, and excludes the provider only on more evidence.
+        401 | 403 => ErrorClass::AccessDenied,
         400 if code.contains("context_length_exceeded")
             || detail.contains("maximum context length") =>
         {
@@ -375,8 +377,8 @@ mod tests {
         assert_eq!(class(&c(529, "{}")), ErrorClass::Transient);
         assert_eq!(class(&c(408, "")), ErrorClass::Transient);
         assert_eq!(class(&c(409, "")), ErrorClass::Transient);
-        assert_eq!(class(&c(401, "")), ErrorClass::ProviderRejected);
-        assert_eq!(class(&c(403, "")), ErrorClass::ProviderRejected);
+        assert_eq!(class(&c(401, "")), ErrorClass::AccessDenied);
+        assert_eq!(class(&c(403, "")), ErrorClass::AccessDenied);
         assert_eq!(
             class(&c(
                 429,

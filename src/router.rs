@@ -4,7 +4,7 @@
 //! Invariant: no IO and no clock. Randomness (jitter) is passed in as a number in [0, 1),
 //! so every decision is reproducible in a unit test.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 /// What a failed provider call tells us to do next, independent of which call it was.
@@ -15,13 +15,25 @@ pub enum ErrorClass {
     Transient,
     /// 429 rate limit, with the delay the provider asked for (if it said).
     RateLimited { retry_after: Option<Duration> },
-    /// 401, 403, 429 `insufficient_quota`: nothing on this provider will work for now.
+    /// 429 `insufficient_quota`: the account is out of credit, so nothing on this
+    /// provider will work for now.
     ProviderRejected,
+    /// 401 or 403. From an aggregator (HolySheep, LiteLLM, OpenRouter) this often means
+    /// only "this key may not use this model" (or one upstream key is bad) while every
+    /// other model of the provider works: skip this model. Two different models of one
+    /// provider denied is evidence that the key itself is bad: the whole provider is
+    /// excluded for this job (see [`KEY_REJECTED_AFTER`]).
+    AccessDenied,
     /// 400 `context_length_exceeded`: only a model with a larger window can help.
     ContextTooLong,
     /// Any other 4xx: the request itself is wrong; resending will not help.
     Fatal,
 }
+
+/// How many different models of one provider must answer 401/403 before the provider
+/// is excluded for the job: one denial may be about that model only, a second one about
+/// another model points at the key.
+pub const KEY_REJECTED_AFTER: usize = 2;
 
 /// One model the job may run on.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +71,8 @@ pub struct Plan {
     current: usize,
     attempts_on_current: u32,
     excluded_providers: HashSet<String>,
+    /// Provider -> its models that answered 401/403 for this job.
+    denied_models: HashMap<String, HashSet<String>>,
     min_context: u64,
     policy: RetryPolicy,
 }
@@ -72,6 +86,7 @@ impl Plan {
             current: 0,
             attempts_on_current: 0,
             excluded_providers: HashSet::new(),
+            denied_models: HashMap::new(),
             min_context: 0,
             policy,
         }
@@ -140,6 +155,18 @@ impl Plan {
             ErrorClass::ProviderRejected => {
                 let p = self.current().provider.clone();
                 self.excluded_providers.insert(p);
+                self.next_usable()
+            }
+            ErrorClass::AccessDenied => {
+                // This model is behind us once we move on (candidates are only ever
+                // taken in order), so skipping it needs no set of its own.
+                let c = self.current();
+                let (provider, model) = (c.provider.clone(), c.model.clone());
+                let denied = self.denied_models.entry(provider.clone()).or_default();
+                denied.insert(model);
+                if denied.len() >= KEY_REJECTED_AFTER {
+                    self.excluded_providers.insert(provider);
+                }
                 self.next_usable()
             }
             ErrorClass::ContextTooLong => {
@@ -323,6 +350,72 @@ mod tests {
             p.on_error(&ErrorClass::ProviderRejected, 0.0),
             Decision::Fail
         );
+    }
+
+    /// Issue 8 point 11: a 401/403 for one model of an aggregator skips that model only.
+    #[test]
+    fn access_denied_skips_the_model_not_the_provider() {
+        let mut p = plan();
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::AccessDenied, 0.0),
+            Decision::Switch(1)
+        );
+        assert_eq!(p.current().model, "b");
+        assert_eq!(p.usable_alternatives(), vec![2]);
+    }
+
+    /// A second model of the same provider denied: the key is bad, the provider goes.
+    #[test]
+    fn access_denied_for_two_models_of_a_provider_excludes_it() {
+        let mut p = Plan::new(
+            vec![
+                cand("a", "p1", 1000),
+                cand("b", "p1", 1000),
+                cand("x", "p1", 1000),
+                cand("c", "p2", 1000),
+            ],
+            policy(),
+        );
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::AccessDenied, 0.0),
+            Decision::Switch(1)
+        );
+        assert_eq!(p.usable_alternatives(), vec![2, 3]);
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::AccessDenied, 0.0),
+            Decision::Switch(3),
+            "x is on p1, whose key was denied twice"
+        );
+        p.record_attempt();
+        assert_eq!(p.on_error(&ErrorClass::AccessDenied, 0.0), Decision::Fail);
+    }
+
+    /// Denials on different providers do not add up: one each excludes neither.
+    #[test]
+    fn access_denied_counts_per_provider() {
+        let mut p = Plan::new(
+            vec![
+                cand("a", "p1", 1000),
+                cand("c", "p2", 1000),
+                cand("b", "p1", 1000),
+                cand("d", "p2", 1000),
+            ],
+            policy(),
+        );
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::AccessDenied, 0.0),
+            Decision::Switch(1)
+        );
+        p.record_attempt();
+        assert_eq!(
+            p.on_error(&ErrorClass::AccessDenied, 0.0),
+            Decision::Switch(2)
+        );
+        assert_eq!(p.usable_alternatives(), vec![3]);
     }
 
     #[test]

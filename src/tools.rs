@@ -360,7 +360,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         }
     }
     Ok(json!({
-        "redis": crate::daemon::redact_url(&cfg.redis.url),
+        "redis": crate::config::redact_url(&cfg.redis.url),
         "stream": keys.jobs,
         "jobs_in_stream": jobs_len,
         "group": group,

@@ -75,7 +75,12 @@ impl Bill {
         let entry = self.per_model.entry(model.to_string()).or_default();
         entry.2 += 1;
         if let Some(u) = usage {
-            let c = cost::cost(&u, price);
+            // Never a panic: an uncomputable cost (implausible usage) is reported, counted 0.
+            let c = cost::checked_cost(&u, price).unwrap_or_else(|e| {
+                tracing::error!(model = %model, error = %e, "cannot price a call");
+                self.warnings.push(format!("{model}: {e}"));
+                Decimal::ZERO
+            });
             self.usage.add(&u);
             self.cost += c;
             entry.0.add(&u);
@@ -762,6 +767,7 @@ fn class_label(c: &ErrorClass) -> &'static str {
         ErrorClass::Transient => "transient",
         ErrorClass::RateLimited { .. } => "rate_limited",
         ErrorClass::ProviderRejected => "rejected",
+        ErrorClass::AccessDenied => "access_denied",
         ErrorClass::ContextTooLong => "context_too_long",
         ErrorClass::Fatal => "fatal",
     }

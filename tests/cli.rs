@@ -374,3 +374,137 @@ async fn demo_runs_to_completion_on_the_tests_redis() {
     let keys: Vec<String> = redis::AsyncCommands::keys(&mut conn, "*").await.unwrap();
     assert!(keys.is_empty(), "demo keys left behind: {keys:?}");
 }
+
+/// Issue 8 point 13: a `redis.url` that redis-rs will refuse (a port that is not a number,
+/// a database that is not a number) is a config error at load, for `check-config` as for
+/// `run`, naming `redis.url` (and the variable when an override set it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_redis_url_is_exit_2_naming_redis_url() {
+    let dir = tempfile::tempdir().unwrap();
+    for (i, url) in [
+        "redis://127.0.0.1:notaport",
+        "redis://127.0.0.1:6379/abc",
+        "rediss://127.0.0.1:6379/#bogus",
+        "redis://127.0.0.1:6379/?protocol=resp9",
+        "unix:///tmp/x.sock?db=abc",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p = TestConfig::with_urls(url, unused_sim()).write(dir.path(), &format!("c{i}.toml"));
+        assert_config_error(&p, &[], "redis.url").await;
+    }
+    // From an override: the message names the variable too.
+    let p = TestConfig::with_urls(&dead_redis_url(), unused_sim()).write(dir.path(), "env.toml");
+    assert_config_error(
+        &p,
+        &[("LLM_WORKER__REDIS__URL", "redis://127.0.0.1:6379/abc")],
+        "LLM_WORKER__REDIS__URL",
+    )
+    .await;
+}
+
+/// A redis-server of this test's own listening only on a unix socket in a temp dir, with
+/// `requirepass`: the URL that reaches it must carry the password as `?pass=`.
+struct UnixRedis {
+    dir: tempfile::TempDir,
+    child: std::process::Child,
+}
+
+impl UnixRedis {
+    fn start(password: &str) -> UnixRedis {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("redis.sock");
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", "0", "--save", "", "--appendonly", "no"])
+            .arg("--unixsocket")
+            .arg(&sock)
+            .args(["--requirepass", password])
+            .arg("--dir")
+            .arg(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        UnixRedis { dir, child }
+    }
+
+    fn url(&self, scheme: &str, password: &str) -> String {
+        format!(
+            "{scheme}://{}?db=0&pass={password}",
+            self.dir.path().join("redis.sock").display()
+        )
+    }
+}
+
+impl Drop for UnixRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Issue 8 point 10: `unix://` and `redis+unix://` URLs carry the password as `?pass=`;
+/// neither `check-config` nor `status` (which really connects with it) may print it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unix_url_password_is_never_printed() {
+    const PW: &str = "SECRET-unix-pw-7f3a";
+    let redis = UnixRedis::start(PW);
+    let dir = tempfile::tempdir().unwrap();
+    for scheme in ["unix", "redis+unix"] {
+        let url = redis.url(scheme, PW);
+        let cfg = TestConfig::with_urls(&url, unused_sim()).write(dir.path(), "c.toml");
+        let cfg = cfg.to_str().unwrap();
+        let out = run_bin_async(&["--config", cfg, "check-config"], &[], T).await;
+        assert_eq!(out.code, Some(0), "{scheme}: {}", out.all());
+        assert!(!out.all().contains(PW), "{scheme}: {}", out.all());
+        let parsed: toml::Value = toml::from_str(&out.stdout).expect("check-config prints TOML");
+        let shown = parsed["redis"]["url"].as_str().unwrap_or_default();
+        assert!(shown.contains("redis.sock"), "{scheme}: {shown}");
+        let out = run_bin_async(&["--config", cfg, "status"], &[], T).await;
+        assert_eq!(out.code, Some(0), "{scheme}: status: {}", out.all());
+        assert!(!out.all().contains(PW), "{scheme}: status: {}", out.all());
+        // The same URL through the override variable.
+        let plain =
+            TestConfig::with_urls(&dead_redis_url(), unused_sim()).write(dir.path(), "plain.toml");
+        let out = run_bin_async(
+            &["--config", plain.to_str().unwrap(), "status"],
+            &[("LLM_WORKER__REDIS__URL", &url)],
+            T,
+        )
+        .await;
+        assert_eq!(out.code, Some(0), "{scheme}: status via env: {}", out.all());
+        assert!(!out.all().contains(PW), "{scheme}: {}", out.all());
+    }
+}
+
+/// Issue 8 point 10: the start-up error ("cannot reach Redis") names the URL; with a
+/// `unix://...?pass=` URL it must not name the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn startup_error_log_hides_the_unix_url_password() {
+    const PW: &str = "SECRET-startup-pw-41c2";
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "unix://{}?pass={PW}",
+        dir.path().join("nobody-listens.sock").display()
+    );
+    let cfg = TestConfig::with_urls(&url, unused_sim()).write(dir.path(), "c.toml");
+    let mut w = WorkerProc::spawn(&cfg, "w", &[]);
+    assert!(
+        wait_log(&w, "cannot reach Redis", T).await,
+        "no start-up error: {}",
+        w.log()
+    );
+    stop_clean(&mut w, T).await;
+    let log = w.log();
+    assert!(log.contains("nobody-listens.sock"), "{log}");
+    assert!(!log.contains(PW), "{log}");
+}

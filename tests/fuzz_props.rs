@@ -338,7 +338,7 @@ fn check_classify(
             prop_assert_eq!(e.status, Some(status));
             assert_one_line("classify", &e.message)?;
             match status {
-                401 | 403 => prop_assert_eq!(&e.class, &ErrorClass::ProviderRejected),
+                401 | 403 => prop_assert_eq!(&e.class, &ErrorClass::AccessDenied),
                 429 => prop_assert!(
                     matches!(
                         e.class,
