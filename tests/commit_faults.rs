@@ -547,3 +547,174 @@ async fn dead_letter_keeps_every_original_field_verbatim() -> anyhow::Result<()>
     assert_eq!(results[0].1["status"], "invalid", "{results:?}");
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// Point 2, the real thing: a network partition between the workers and Redis.
+
+/// `ip ARGS`; true on success.
+fn ip(args: &[&str]) -> bool {
+    std::process::Command::new("ip")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A redis-server inside a network namespace this test creates, reached over a veth pair
+/// with link-local addresses (a /30 of 169.254.0.0/16 chosen from the process id, so
+/// parallel runs do not collide). `partition` takes the host end of the link down.
+/// Dropping it kills the server and deletes the namespace (and with it the veth pair).
+struct NetnsRedis {
+    ns: String,
+    host_if: String,
+    addr: String,
+    port: u16,
+    child: Option<std::process::Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl NetnsRedis {
+    /// `None` when network namespaces cannot be made here (not root, no `ip`).
+    fn start() -> Option<NetnsRedis> {
+        let pid = std::process::id();
+        let tag = pid % 100_000;
+        let ns = format!("lwc{tag}");
+        if !ip(&["netns", "add", &ns]) {
+            return None;
+        }
+        let (host_if, peer_if) = (format!("lwh{tag}"), format!("lwp{tag}"));
+        let third = 100 + (pid % 100);
+        let base = 4 * ((pid / 100) % 63);
+        let host_addr = format!("169.254.{third}.{}", base + 1);
+        let addr = format!("169.254.{third}.{}", base + 2);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut me = NetnsRedis {
+            ns: ns.clone(),
+            host_if: host_if.clone(),
+            addr: addr.clone(),
+            port: free_port(),
+            child: None,
+            _dir: dir,
+        };
+        let ok = ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", &peer_if, "netns", &ns,
+        ]) && ip(&["addr", "add", &format!("{host_addr}/30"), "dev", &host_if])
+            && ip(&["link", "set", &host_if, "up"])
+            && ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{addr}/30"),
+                "dev",
+                &peer_if,
+            ])
+            && ip(&["-n", &ns, "link", "set", &peer_if, "up"])
+            && ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        assert!(ok, "veth setup in namespace {ns} failed");
+        let child = std::process::Command::new("ip")
+            .args(["netns", "exec", &ns, "redis-server", "--port"])
+            .arg(me.port.to_string())
+            // Protected mode refuses non-loopback clients of a password-less server; this
+            // one is reachable only over the test's own veth pair.
+            .args(["--bind", &addr, "--protected-mode", "no"])
+            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .arg(me._dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server in the namespace");
+        me.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect((addr.as_str(), me.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server in {ns} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(me)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}:{}", self.addr, self.port)
+    }
+
+    fn link(&self, up: bool) {
+        let state = if up { "up" } else { "down" };
+        assert!(ip(&["link", "set", &self.host_if, state]), "link {state}");
+    }
+}
+
+impl Drop for NetnsRedis {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        ip(&["netns", "del", &self.ns]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_partition_longer_than_claim_idle_pays_every_job_once() -> anyhow::Result<()> {
+    const JOBS: usize = 16;
+    let Some(redis) = NetnsRedis::start() else {
+        eprintln!(
+            "SKIPPED network_partition_longer_than_claim_idle_pays_every_job_once: `ip netns add` is unavailable here (needs root and iproute2)"
+        );
+        return Ok(());
+    };
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 1500,
+        jitter_ms: 3000,
+        ..SimOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir()?;
+    let mut tc = TestConfig::with_urls(&redis.url(), sim.addr);
+    tc.concurrency = 4;
+    tc.slots = 8;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")];
+    let client = redis::Client::open(redis.url())?;
+    let mut conn = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.get_multiplexed_async_connection(),
+    )
+    .await??;
+    push(&mut conn, "llm", &jobs("part", JOBS)).await;
+    let w1 = WorkerProc::spawn(&cfg, "w1", &env);
+    let w2 = WorkerProc::spawn(&cfg, "w2", &env);
+    assert!(
+        in_flight_at_least(&sim, 8, Duration::from_secs(15)).await,
+        "{}",
+        logs_tail(&[&w1, &w2], 20)
+    );
+    // Both workers cut off from Redis for 8 x claim_idle_ms.
+    redis.link(false);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    redis.link(true);
+    context(
+        wait_len(
+            &mut conn,
+            "{llm}:results",
+            JOBS as u64,
+            Duration::from_secs(60),
+        )
+        .await,
+        &[&w1, &w2],
+    )?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, JOBS);
+    let calls = sim_calls(&sim);
+    let twice: Vec<_> = calls.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        twice.is_empty() && calls.len() == JOBS,
+        "every job paid exactly once: {twice:?}\n{}",
+        logs_tail(&[&w1, &w2], 30)
+    );
+    Ok(())
+}
