@@ -586,6 +586,13 @@ impl Worker {
                     tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
+                Err(e) if !e.heals() => {
+                    // A marker key of the wrong type: retrying cannot help, and calling a
+                    // model without the check could pay for the id twice.
+                    tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "idempotency check impossible; job failed without a model call (fix the key named)");
+                    let reason = format!("idempotency check impossible, no model called: {e}");
+                    return Some(self.reject(d, Some(&job.id), "failed", &reason, started));
+                }
                 Err(e) => {
                     // One line per job, not per retry: the reader logs the outage itself.
                     if backoff.next == Duration::from_millis(100) {

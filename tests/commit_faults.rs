@@ -181,6 +181,55 @@ async fn cost_key_of_wrong_type_writes_a_minimal_failed_result() -> anyhow::Resu
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_and_marker_keys_of_wrong_type_are_named_and_nothing_is_half_written()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // A dead-letter stream of the wrong type: the invalid job gets a minimal `failed`
+    // result naming the key, and no half-written dead letter.
+    let _: () = conn.set("{llm}:dead", "x").await?;
+    push_fields(&mut conn, "llm", &[("body", b"{}")]).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let bad = &results[0].1;
+    assert_eq!(bad["status"], "failed", "{bad:?}");
+    assert!(bad["error"].contains("{llm}:dead is a string"), "{bad:?}");
+    let kind: String = redis::cmd("TYPE")
+        .arg("{llm}:dead")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(kind, "string");
+    // A result marker of the wrong type: the job fails without a model call (a call
+    // without the idempotency check could pay for the id twice), naming the key.
+    let _: () = conn.del("{llm}:dead").await?;
+    let _: () = conn.rpush("{llm}:done:mk-1", "x").await?;
+    push(&mut conn, "llm", &[job("mk-1", "hi")]).await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 2, "{results:?}");
+    let marked = &results[1].1;
+    assert_eq!(marked["status"], "failed", "{marked:?}");
+    assert!(
+        marked["error"].contains("{llm}:done:mk-1 is a list"),
+        "{marked:?}"
+    );
+    assert_eq!(sim_calls(&sim).get("mk-1"), None, "no model call");
+    assert_eq!(xlen(&mut conn, "{llm}:dead").await, 1);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    Ok(())
+}
+
 // ---------------------------------------------------------------------------------------
 // Point 2: a paid result is held through an outage, never dropped or paid twice.
 
