@@ -6,6 +6,13 @@
 --         {'claimed', ''}: go ahead (the marker is ours; a re-delivery of the same entry
 --                          takes its own marker over);
 --         {'busy', other entry id}: another copy of the id is being worked on now.
+-- Errors: `WRONGTYPE <key> ...` when a marker key holds another type (it will not heal).
+for _, k in ipairs(KEYS) do
+  local t = redis.call('TYPE', k)['ok']
+  if t ~= 'none' and t ~= 'string' then
+    return redis.error_reply('WRONGTYPE ' .. k .. ' is a ' .. t .. ', not a string: rename or delete it')
+  end
+end
 local done = redis.call('GET', KEYS[1])
 if done then
   return {'done', done}

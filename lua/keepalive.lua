@@ -1,17 +1,45 @@
 -- Keep this worker's long-running jobs from being taken over: for each entry still
 -- pending under this consumer, reset its idle time (XCLAIM ... JUSTID, which does not
 -- count a delivery) and extend its id's in-progress marker if that marker is the entry's.
--- Entries now owned by another consumer are left alone (never stolen back).
--- KEYS[1] jobs stream, then one in-progress marker key per entry (KEYS[1 + i])
--- ARGV[1] group   ARGV[2] consumer   ARGV[3] marker ttl ms   ARGV[3 + i] entry id i
--- Returns the entry ids that are no longer ours.
-local gone = {}
+-- Entries now owned by another consumer are left alone (never stolen back). Entries the
+-- producer deleted from the stream (XDEL, MAXLEN) are not XCLAIMed: on Redis 7 that
+-- would drop them from the pending list and the worker's result would be thrown away.
+--
+-- Also the fleet's heartbeat, so that time in which Redis did not answer is not counted
+-- as jobs' idle time: every worker calls this at least every claim_idle_ms / 3 (the
+-- reclaimer too, with no entries). If no call at all arrived for longer than
+-- claim_idle_ms (Redis stopped, partitioned away, or loading), the stall gate is set for
+-- claim_idle_ms from now: until it expires nobody reclaims, so the workers that still
+-- hold those jobs (and maybe their paid results) get to keep them alive or commit them.
+-- The heartbeat write is allowed to fail (pcall: under maxmemory + noeviction).
+--
+-- KEYS[1] jobs stream   KEYS[2] heartbeat (server ms)   KEYS[3] stall gate
+-- KEYS[3 + i] in-progress marker of entry i
+-- ARGV[1] group   ARGV[2] consumer   ARGV[3] claim_idle_ms (also the marker ttl)
+-- ARGV[3 + i] entry id i
+-- Returns {stalled (1: do not reclaim now), entries no longer ours, entries deleted}.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local idle = tonumber(ARGV[3])
+local hb = redis.pcall('GET', KEYS[2])
+local last = type(hb) == 'string' and tonumber(hb) or nil
+if last and now - last > idle then
+  redis.pcall('SET', KEYS[3], now, 'PX', idle)
+end
+redis.pcall('SET', KEYS[2], now, 'PX', 86400000)
+local stalled = redis.call('EXISTS', KEYS[3])
+
+local gone, deleted = {}, {}
 for i = 4, #ARGV do
   local id = ARGV[i]
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
   if #p == 1 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
-    local marker = KEYS[i - 2]
+    if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
+      table.insert(deleted, id)
+    else
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
+    end
+    local marker = KEYS[i]
     if redis.call('GET', marker) == id then
       redis.call('PEXPIRE', marker, ARGV[3])
     end
@@ -19,4 +47,4 @@ for i = 4, #ARGV do
     table.insert(gone, id)
   end
 end
-return gone
+return {stalled, gone, deleted}

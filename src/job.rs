@@ -22,8 +22,8 @@ pub struct Job {
 /// Why a payload is invalid. Each message is one line and says what to fix.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum JobError {
-    #[error("entry has no `payload` field (XADD {{ns}}:jobs * payload '<json>')")]
-    NoPayload,
+    #[error("entry has no `payload` field (XADD {jobs} * payload '<json>')")]
+    NoPayload { jobs: String },
     #[error("payload is {size} bytes, above the limit of {limit} (queue.max_payload_bytes)")]
     TooLarge { size: usize, limit: usize },
     #[error("payload is not valid UTF-8 (at byte {0})")]
@@ -92,7 +92,9 @@ pub fn parse(
     max_bytes: usize,
     cfg: &Config,
 ) -> Result<Job, JobError> {
-    let bytes = payload.ok_or(JobError::NoPayload)?;
+    let bytes = payload.ok_or_else(|| JobError::NoPayload {
+        jobs: format!("{{{}}}:jobs", cfg.queue.namespace),
+    })?;
     if bytes.len() > max_bytes {
         return Err(JobError::TooLarge {
             size: bytes.len(),
@@ -335,7 +337,12 @@ alt = ["b"]
             parse(Some(b"\xff\xfe"), "1-0", 1000, &cfg()),
             Err(JobError::NotUtf8(0))
         );
-        assert_eq!(parse(None, "1-0", 1000, &cfg()), Err(JobError::NoPayload));
+        assert_eq!(
+            parse(None, "1-0", 1000, &cfg()),
+            Err(JobError::NoPayload {
+                jobs: "{llm}:jobs".into()
+            })
+        );
     }
 
     #[test]

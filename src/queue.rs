@@ -5,8 +5,12 @@
 //! - every key carries the `{namespace}` hash tag (one Cluster slot per queue);
 //! - a job entry is acknowledged only by `lua/commit.lua`, in the same step as its result
 //!   (one exception: an entry deleted from the stream while pending has no payload left to
-//!   process; [`Queue::reclaim`] acknowledges it and the worker logs and counts it);
-//! - a commit for an entry that is no longer pending writes nothing (no second result).
+//!   process; [`Queue::reclaim`] acknowledges it and the worker logs and counts it; a
+//!   worker still running it writes its result anyway);
+//! - a commit checks everything that can fail before its first write and acknowledges
+//!   last, so an error leaves the job pending with nothing written;
+//! - a commit for an entry another worker already committed writes nothing (no second
+//!   result).
 
 use crate::config::Config;
 use redis::aio::MultiplexedConnection;
@@ -16,7 +20,9 @@ use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum QueueError {
-    #[error("redis: {0} (retry when Redis answers again)")]
+    /// Connection, timeout or server error; [`QueueError::heals`] says whether retrying
+    /// the same command can succeed.
+    #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
     #[error("redis pool: {0} (retry when Redis answers again)")]
     Pool(#[from] deadpool_redis::PoolError),
@@ -24,6 +30,48 @@ pub enum QueueError {
     Url(String),
     #[error("redis did not answer within {0:?} (retry when Redis answers again)")]
     Timeout(Duration),
+}
+
+/// Server error codes that go away by themselves: memory freed under `noeviction`, a
+/// dataset loading, a failover or resharding in progress, a busy script.
+const HEALING_CODES: &[&str] = &[
+    "OOM",
+    "LOADING",
+    "MASTERDOWN",
+    "READONLY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "BUSY",
+    "NOSCRIPT",
+    "MOVED",
+    "ASK",
+];
+
+impl QueueError {
+    /// True when the same command can succeed later without anyone changing anything:
+    /// IO, timeouts, dropped or refused connections, and the server errors of
+    /// [`HEALING_CODES`]. False for errors that repeat until someone acts: a key of the
+    /// wrong type (WRONGTYPE), a script error, a bad argument, a bad URL.
+    pub fn heals(&self) -> bool {
+        match self {
+            QueueError::Redis(e) => redis_error_heals(e),
+            QueueError::Pool(deadpool_redis::PoolError::Backend(e)) => redis_error_heals(e),
+            QueueError::Pool(_) | QueueError::Timeout(_) => true,
+            QueueError::Url(_) => false,
+        }
+    }
+}
+
+fn redis_error_heals(e: &redis::RedisError) -> bool {
+    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
+        return true;
+    }
+    match e.code() {
+        Some(code) => HEALING_CODES.contains(&code),
+        // No server code: a client-side failure (parse, protocol); retrying helps
+        // only if the connection was at fault, which the checks above cover.
+        None => false,
+    }
 }
 
 /// Every Redis key name in one place.
@@ -153,6 +201,9 @@ pub struct Delivery {
     pub payload: Option<Vec<u8>>,
     /// Names of fields other than `payload` (reported, not fatal).
     pub extra_fields: Vec<String>,
+    /// Every field of the entry, verbatim and in stream order (copied into a dead
+    /// letter, so bad input never loses what the producer wrote).
+    pub fields: Vec<(String, Vec<u8>)>,
     /// How many times this entry has been delivered (1 for a fresh read).
     pub deliveries: u64,
 }
@@ -161,23 +212,29 @@ impl Delivery {
     fn from_stream_id(id: redis::streams::StreamId, deliveries: u64) -> Delivery {
         let mut payload = None;
         let mut extra = vec![];
+        let mut fields = vec![];
         for (k, v) in id.map {
+            let bytes = match v {
+                Value::BulkString(b) => b,
+                Value::SimpleString(s) => s.into_bytes(),
+                Value::Int(i) => i.to_string().into_bytes(),
+                _ => vec![],
+            };
             if k == "payload" {
-                payload = match v {
-                    Value::BulkString(b) => Some(b),
-                    Value::SimpleString(s) => Some(s.into_bytes()),
-                    Value::Int(i) => Some(i.to_string().into_bytes()),
-                    _ => Some(vec![]),
-                };
+                payload = Some(bytes.clone());
             } else {
-                extra.push(k);
+                extra.push(k.clone());
             }
+            fields.push((k, bytes));
         }
         extra.sort();
+        // The typed reply holds the fields in a map; restore a stable order.
+        fields.sort_by(|a, b| a.0.cmp(&b.0));
         Delivery {
             entry_id: id.id,
             payload,
             extra_fields: extra,
+            fields,
             deliveries,
         }
     }
@@ -189,7 +246,9 @@ impl Delivery {
 pub struct Commit {
     pub entry_id: String,
     pub result: Vec<(&'static str, Vec<u8>)>,
-    pub dead: Vec<(&'static str, Vec<u8>)>,
+    /// The dead-letter entry (empty: none). Field names are owned: a dead letter carries
+    /// the original entry's fields under their own names.
+    pub dead: Vec<(String, Vec<u8>)>,
     /// The job id whose result marker to set (None: no marker).
     pub dedupe_id: Option<String>,
     /// The job id whose in-progress marker to clear if it is this entry's.
@@ -213,6 +272,30 @@ pub struct Queue {
     claim_id_script: redis::Script,
     keepalive_script: redis::Script,
     claim_idle_ms: u64,
+    /// Entries already reported as deleted by the producer while we work on them (so the
+    /// keepalive logs and counts each once).
+    reported_deleted: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+}
+
+/// What [`Queue::commit`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// Written now, and the entry acknowledged in the same step.
+    Written { result_id: String },
+    /// The entry already has a result written by this worker: an earlier try succeeded
+    /// but its reply was lost (connection dropped after the script ran). Nothing written.
+    AlreadyWritten { result_id: String },
+    /// Another worker committed the entry (after taking it over): nothing written.
+    Superseded,
+}
+
+impl Commit {
+    /// Bytes this commit holds in memory (what a held result costs).
+    pub fn size(&self) -> usize {
+        let r: usize = self.result.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let d: usize = self.dead.iter().map(|(k, v)| k.len() + v.len()).sum();
+        r + d + self.costs.iter().map(|(k, _)| k.len() + 8).sum::<usize>()
+    }
 }
 
 /// What the idempotency check says about a job id.
@@ -248,6 +331,7 @@ impl Queue {
             claim_id_script: redis::Script::new(include_str!("../lua/claim_id.lua")),
             keepalive_script: redis::Script::new(include_str!("../lua/keepalive.lua")),
             claim_idle_ms: cfg.queue.claim_idle_ms,
+            reported_deleted: Default::default(),
         }
     }
 
@@ -312,9 +396,15 @@ impl Queue {
     }
 
     /// Writes the result (and dead letter, marker, costs) and acknowledges the job, in one
-    /// script. `Ok(Some(result_id))` when written; `Ok(None)` when the job was no longer
-    /// pending (already committed elsewhere): nothing was written.
-    pub async fn commit(&self, c: &Commit) -> Result<Option<String>, QueueError> {
+    /// script (`lua/commit.lua`): every check that can fail runs before the first write and
+    /// the XACK runs last, so an error leaves the job pending with nothing written.
+    /// The entry may meanwhile belong to another consumer (taken over while this worker
+    /// was cut off): XACK acts on the group, so whoever commits first writes the result.
+    ///
+    /// Errors: [`QueueError::heals`] tells a passing outage (hold the result, retry) from
+    /// a key of the wrong type or a script error (retrying the same commit cannot help;
+    /// the message names the key).
+    pub async fn commit(&self, c: &Commit) -> Result<CommitOutcome, QueueError> {
         let dedupe_key = self.keys.done(c.dedupe_id.as_deref().unwrap_or(""));
         let inflight_key = self.keys.inflight(c.inflight_id.as_deref().unwrap_or(""));
         let ttl = if c.dedupe_id.is_some() {
@@ -334,21 +424,27 @@ impl Queue {
             .arg(self.results_maxlen)
             .arg(ttl)
             .arg(if self.delete_acked { 1 } else { 0 })
-            .arg(&c.status);
+            .arg(&c.status)
+            .arg(&self.consumer);
         inv.arg(c.result.len());
         for (k, v) in &c.result {
             inv.arg(*k).arg(v.as_slice());
         }
         inv.arg(c.dead.len());
         for (k, v) in &c.dead {
-            inv.arg(*k).arg(v.as_slice());
+            inv.arg(k.as_str()).arg(v.as_slice());
         }
         inv.arg(c.costs.len());
         for (k, v) in &c.costs {
             inv.arg(k).arg(*v);
         }
         let mut conn = self.pool.get().await?;
-        Ok(inv.invoke_async::<Option<String>>(&mut *conn).await?)
+        let (what, result_id): (String, String) = inv.invoke_async(&mut *conn).await?;
+        Ok(match what.as_str() {
+            "written" => CommitOutcome::Written { result_id },
+            "had" => CommitOutcome::AlreadyWritten { result_id },
+            _ => CommitOutcome::Superseded,
+        })
     }
 }
 
@@ -378,13 +474,38 @@ impl Queue {
     }
 
     /// Resets the idle time of entries this consumer is still working on, and extends
-    /// their ids' in-progress markers. Returns the entries no longer ours.
+    /// their ids' in-progress markers (`lua/keepalive.lua`). Returns the entries no longer
+    /// ours. Called with no entries too: every call is also the fleet's heartbeat that
+    /// lets [`Queue::reclaim`] tell a Redis stall from stalled workers.
+    ///
+    /// Entries the producer deleted from the stream (XDEL, MAXLEN) are skipped (an XCLAIM
+    /// would drop them from the pending list on Redis 7), logged and counted once each
+    /// (`llm_worker_jobs_deleted_in_flight_total`); their result is still committed.
     pub async fn keepalive(&self, entries: &[(String, String)]) -> Result<Vec<String>, QueueError> {
-        if entries.is_empty() {
-            return Ok(vec![]);
+        let (_, gone, deleted) = self.heartbeat(entries).await?;
+        let mut reported = self
+            .reported_deleted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        reported.retain(|e| entries.iter().any(|(x, _)| x == e));
+        for e in deleted {
+            if reported.insert(e.clone()) {
+                tracing::warn!(entry = %e, "job entry was deleted from the stream by the producer while running; not kept alive, its result is still written");
+                metrics::counter!("llm_worker_jobs_deleted_in_flight_total").increment(1);
+            }
         }
+        Ok(gone)
+    }
+
+    /// One call of `lua/keepalive.lua`: (stalled, entries no longer ours, entries deleted).
+    async fn heartbeat(
+        &self,
+        entries: &[(String, String)],
+    ) -> Result<(bool, Vec<String>, Vec<String>), QueueError> {
         let mut inv = self.keepalive_script.prepare_invoke();
-        inv.key(&self.keys.jobs);
+        inv.key(&self.keys.jobs)
+            .key(format!("{}:heartbeat", self.keys.prefix))
+            .key(format!("{}:stalled", self.keys.prefix));
         for (_, job_id) in entries {
             inv.key(self.keys.inflight(job_id));
         }
@@ -395,14 +516,28 @@ impl Queue {
             inv.arg(entry);
         }
         let mut conn = self.pool.get().await?;
-        Ok(inv.invoke_async(&mut *conn).await?)
+        let (stalled, gone, deleted): (i64, Vec<String>, Vec<String>) =
+            inv.invoke_async(&mut *conn).await?;
+        Ok((stalled == 1, gone, deleted))
     }
 
     /// Takes over up to `count` entries pending longer than `queue.claim_idle_ms`
     /// (XAUTOCLAIM, cursor followed to the end or until `count` are claimed), with their
     /// delivery counts. Entries deleted from the stream while pending are acknowledged.
+    ///
+    /// Nothing is taken over while the stall gate of `lua/keepalive.lua` is set: when
+    /// Redis did not answer anyone for longer than `claim_idle_ms`, every entry looks
+    /// idle, though their workers may be alive and holding paid results; they get
+    /// `claim_idle_ms` from the moment Redis answers again to keep them or commit them.
     pub async fn reclaim(&self, count: usize) -> Result<Reclaimed, QueueError> {
         let mut out = Reclaimed::default();
+        let (stalled, _, _) = self.heartbeat(&[]).await?;
+        if stalled {
+            tracing::info!(
+                "Redis did not answer for longer than queue.claim_idle_ms; not taking over jobs for that long, so their workers can keep or commit them"
+            );
+            return Ok(out);
+        }
         let mut conn = self.pool.get().await?;
         let mut cursor = "0-0".to_string();
         while out.deliveries.len() < count {
@@ -426,21 +561,23 @@ impl Queue {
                 out.deleted.extend(reply.deleted_ids);
             }
             if !reply.claimed.is_empty() {
-                let first = reply.claimed[0].id.clone();
-                let last = reply.claimed[reply.claimed.len() - 1].id.clone();
-                let pending: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-                    .arg(&self.keys.jobs)
-                    .arg(&self.group)
-                    .arg(&first)
-                    .arg(&last)
-                    .arg(reply.claimed.len())
-                    .arg(&self.consumer)
-                    .query_async(&mut *conn)
-                    .await?;
-                let counts: std::collections::HashMap<String, u64> =
-                    pending.into_iter().map(|(id, _, _, n)| (id, n)).collect();
-                for id in reply.claimed {
-                    let n = counts.get(&id.id).copied().unwrap_or(2);
+                // Exactly the claimed ids (a range query with COUNT would also return
+                // entries of ours between them and miss claimed ones).
+                let mut pipe = redis::pipe();
+                for id in &reply.claimed {
+                    pipe.cmd("XPENDING")
+                        .arg(&self.keys.jobs)
+                        .arg(&self.group)
+                        .arg(&id.id)
+                        .arg(&id.id)
+                        .arg(1);
+                }
+                let pending: Vec<Vec<(String, String, u64, u64)>> =
+                    pipe.query_async(&mut *conn).await?;
+                for (id, p) in reply.claimed.into_iter().zip(pending) {
+                    // Just claimed, so pending; 2 (a re-delivery) only if it was
+                    // acknowledged in between.
+                    let n = p.first().map(|(_, _, _, n)| *n).unwrap_or(2);
                     out.deliveries.push(Delivery::from_stream_id(id, n));
                 }
             }

@@ -12,7 +12,9 @@ use crate::config::Config;
 use crate::cost::{self, Price, Usage};
 use crate::job::{self, Job};
 use crate::provider::{self, CallError, ProviderClient};
-use crate::queue::{Commit, Delivery, IdClaim, Queue, QueueError, blocking_connection};
+use crate::queue::{
+    Commit, CommitOutcome, Delivery, IdClaim, Queue, QueueError, blocking_connection,
+};
 use crate::router::{Candidate, Decision, ErrorClass, Plan, RetryPolicy};
 use crate::slots::{Lease, SlotError, Slots};
 use rust_decimal::Decimal;
@@ -359,41 +361,141 @@ impl Worker {
         lock(&self.active).remove(&d.entry_id);
     }
 
-    /// Writes a finished job's result, holding it in memory while Redis is away. Bounded:
-    /// at most `worker.concurrency` results wait (each holds its job's permit), each for at
-    /// most `queue.claim_idle_ms` — after that another worker may have taken the job over,
-    /// so the result is dropped, the job left to be reclaimed, and the loss counted.
+    /// Writes a finished job's result. A paid result is never dropped because of time:
+    ///
+    /// - an error that heals ([`QueueError::heals`]: Redis unreachable, timeouts, `OOM`
+    ///   under `noeviction`, `LOADING`, a failover) holds the result and retries with
+    ///   backoff until Redis takes it. Held results are bounded by count (each holds its
+    ///   job's permit, so at most `worker.concurrency`) and by bytes
+    ///   ([`MAX_HELD_RESULT_BYTES`] per process; past that a result is dropped, logged and
+    ///   counted in `llm_worker_results_lost_total`). While held, the entry stays in
+    ///   `active`, so the keepalive keeps it from being taken over;
+    /// - an error that does not heal (a key of the wrong type, a script error) is not
+    ///   retried as is: a minimal `failed` result (no dead letter, cost totals or marker)
+    ///   is written instead. If even that fails (the results stream itself is unusable),
+    ///   the job stays pending under this worker, kept alive, not paid again, with an
+    ///   error naming the key logged every [`UNWRITABLE_LOG_EVERY`], until someone fixes
+    ///   the key;
+    /// - a reply lost after the commit ran is recognised on retry (the entry's result is
+    ///   ours) and counted as written, not as superseded.
+    ///
+    /// Only `abort` (shutdown past its grace) gives up on a held result; the job then
+    /// stays pending for another worker.
     async fn commit_until_written(&self, d: &Delivery, commit: &Commit, abort: &CancellationToken) {
         let mut backoff = Backoff::new();
-        let mut first_failure: Option<Instant> = None;
-        let limit = Duration::from_millis(self.cfg.queue.claim_idle_ms);
+        let mut held: Option<HeldBytes> = None;
+        let mut fallback: Option<Commit> = None;
+        let mut last_unwritable_log: Option<Instant> = None;
         loop {
-            match self.queue.commit(commit).await {
-                Ok(Some(_)) => return,
-                Ok(None) => {
+            let mut wait = false;
+            let current = fallback.as_ref().unwrap_or(commit);
+            match self.queue.commit(current).await {
+                Ok(CommitOutcome::Written { .. }) => {
+                    if held.is_some() {
+                        tracing::info!(entry = %d.entry_id, "held result written");
+                    }
+                    return;
+                }
+                Ok(CommitOutcome::AlreadyWritten { result_id }) => {
+                    tracing::info!(entry = %d.entry_id, result = %result_id, "result was written by an earlier try whose reply was lost");
+                    metrics::counter!("llm_worker_commit_reply_lost_total").increment(1);
+                    return;
+                }
+                Ok(CommitOutcome::Superseded) => {
                     tracing::warn!(entry = %d.entry_id, "job was already committed by another worker; result discarded");
                     metrics::counter!("llm_worker_commit_superseded_total").increment(1);
                     return;
                 }
+                Err(e) if e.heals() => {
+                    wait = true;
+                    if held.is_none() {
+                        match HeldBytes::take(current.size()) {
+                            Some(h) => held = Some(h),
+                            None => {
+                                tracing::error!(entry = %d.entry_id, error = %e, limit = MAX_HELD_RESULT_BYTES, "cannot write result and too many result bytes are held already; dropping it (the job will be reclaimed and paid again)");
+                                metrics::counter!("llm_worker_results_lost_total").increment(1);
+                                return;
+                            }
+                        }
+                        tracing::warn!(entry = %d.entry_id, error = %e, "cannot write result; holding it until Redis takes it");
+                        metrics::counter!("llm_worker_results_held_total").increment(1);
+                    }
+                }
+                Err(e) if fallback.is_none() => {
+                    if last_unwritable_log.is_none() {
+                        tracing::error!(entry = %d.entry_id, error = %e, "result cannot be written as it is (fix the key named); writing a minimal failed result instead");
+                        metrics::counter!("llm_worker_commit_unwritable_total").increment(1);
+                    }
+                    fallback = Some(self.minimal_failed(d, commit, &e));
+                    continue;
+                }
                 Err(e) => {
-                    let first = first_failure.is_none();
-                    let since = *first_failure.get_or_insert_with(Instant::now);
-                    if first {
-                        tracing::warn!(entry = %d.entry_id, error = %e, "cannot write result; holding it and retrying");
+                    if last_unwritable_log.is_none_or(|t| t.elapsed() >= UNWRITABLE_LOG_EVERY) {
+                        last_unwritable_log = Some(Instant::now());
+                        tracing::error!(entry = %d.entry_id, error = %e, "no result can be written for this job; it stays pending under this worker (not paid again) until the key named is fixed");
                     }
-                    if since.elapsed() > limit {
-                        tracing::error!(entry = %d.entry_id, waited_ms = since.elapsed().as_millis() as u64, "result held too long; dropping it (the job will be reclaimed and paid again)");
-                        metrics::counter!("llm_worker_results_lost_total").increment(1);
-                        return;
+                    if held.is_none() {
+                        held = HeldBytes::take(current.size());
                     }
-                    if abort.is_cancelled() {
-                        tracing::error!(entry = %d.entry_id, "shutting down with a result not written; the job stays pending and will be redone");
-                        metrics::counter!("llm_worker_results_lost_total").increment(1);
-                        return;
+                    tokio::select! {
+                        _ = tokio::time::sleep(UNWRITABLE_RETRY) => {}
+                        _ = abort.cancelled() => {}
                     }
-                    backoff.sleep(abort).await;
+                    // The full result first again: the key may have been fixed.
+                    fallback = None;
                 }
             }
+            if abort.is_cancelled() {
+                tracing::error!(entry = %d.entry_id, "shutting down with a result not written; the job stays pending and will be redone");
+                metrics::counter!("llm_worker_results_lost_total").increment(1);
+                return;
+            }
+            if wait {
+                backoff.sleep(abort).await;
+            }
+        }
+    }
+
+    /// The smallest result that says what happened when the full one cannot be written
+    /// (a key it touches has the wrong type): status `failed`, the usage and cost of the
+    /// calls made, the error; no dead letter, cost totals, or result marker.
+    fn minimal_failed(&self, d: &Delivery, full: &Commit, e: &QueueError) -> Commit {
+        let keep = [
+            "job_id",
+            "job_entry",
+            "latency_ms",
+            "worker",
+            "input_tokens",
+            "output_tokens",
+            "cached_tokens",
+            "cost_usd",
+            "attempts",
+            "tried",
+            "metadata",
+        ];
+        let mut result: Vec<(&'static str, Vec<u8>)> = full
+            .result
+            .iter()
+            .filter(|(k, _)| keep.contains(k))
+            .cloned()
+            .collect();
+        result.push(("status", b"failed".to_vec()));
+        result.push((
+            "error",
+            provider::one_line(&format!(
+                "result could not be written ({}): {e}",
+                full.status
+            ))
+            .into_bytes(),
+        ));
+        Commit {
+            entry_id: d.entry_id.clone(),
+            result,
+            dead: vec![],
+            dedupe_id: None,
+            inflight_id: None,
+            status: "failed".into(),
+            costs: vec![],
         }
     }
 
@@ -429,15 +531,22 @@ impl Worker {
         let mut result = self.base_result(d, id, status, started);
         result.extend(no_call_fields());
         result.push(("error", reason.as_bytes().to_vec()));
-        let mut dead = vec![("job_entry", d.entry_id.as_bytes().to_vec())];
+        // Dead-letter shape: the worker's fields first (job_entry, job_id if known,
+        // reason, deliveries), then every field of the original entry, name and value
+        // verbatim (so `payload` when there was one). A name that clashes with one of
+        // ours appears twice, ours first.
+        let mut dead = vec![("job_entry".to_string(), d.entry_id.as_bytes().to_vec())];
         if let Some(j) = job_id {
-            dead.push(("job_id", j.as_bytes().to_vec()));
+            dead.push(("job_id".into(), j.as_bytes().to_vec()));
         }
         dead.extend([
-            ("reason", reason.as_bytes().to_vec()),
-            ("deliveries", d.deliveries.to_string().into_bytes()),
-            ("payload", d.payload.clone().unwrap_or_default()),
+            ("reason".to_string(), reason.as_bytes().to_vec()),
+            ("deliveries".into(), d.deliveries.to_string().into_bytes()),
         ]);
+        dead.extend(d.fields.iter().cloned());
+        if d.fields.is_empty() {
+            dead.push(("payload".into(), d.payload.clone().unwrap_or_default()));
+        }
         metrics::counter!("llm_worker_jobs_total", "status" => status.to_string()).increment(1);
         Commit {
             entry_id: d.entry_id.clone(),
@@ -468,14 +577,6 @@ impl Worker {
                 return Some(self.reject(d, id.as_deref(), "invalid", &e.to_string(), started));
             }
         };
-        if d.deliveries > self.cfg.queue.max_deliveries {
-            let reason = format!(
-                "delivered {} times (queue.max_deliveries = {}): every worker that took it stopped before finishing",
-                d.deliveries, self.cfg.queue.max_deliveries
-            );
-            tracing::error!(entry = %d.entry_id, job = %job.id, "poison job; dead-lettered");
-            return Some(self.reject(d, Some(&job.id), "dead", &reason, started));
-        }
         lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
         // Idempotency by id: one model call per id, however many copies are pushed.
         let mut backoff = Backoff::new();
@@ -491,6 +592,13 @@ impl Worker {
                     tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
+                Err(e) if !e.heals() => {
+                    // A marker key of the wrong type: retrying cannot help, and calling a
+                    // model without the check could pay for the id twice.
+                    tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "idempotency check impossible; job failed without a model call (fix the key named)");
+                    let reason = format!("idempotency check impossible, no model called: {e}");
+                    return Some(self.reject(d, Some(&job.id), "failed", &reason, started));
+                }
                 Err(e) => {
                     // One line per job, not per retry: the reader logs the outage itself.
                     if backoff.next == Duration::from_millis(100) {
@@ -499,6 +607,16 @@ impl Worker {
                     backoff.sleep(&CancellationToken::new()).await;
                 }
             }
+        }
+        // The poison check after the id check: a copy of an id that already has a result
+        // is a duplicate (pointing at that result), never a `dead` that would hide it.
+        if d.deliveries > self.cfg.queue.max_deliveries {
+            let reason = format!(
+                "delivered {} times (queue.max_deliveries = {}): every worker that took it stopped before finishing",
+                d.deliveries, self.cfg.queue.max_deliveries
+            );
+            tracing::error!(entry = %d.entry_id, job = %job.id, "poison job; dead-lettered");
+            return Some(self.reject(d, Some(&job.id), "dead", &reason, started));
         }
         if !d.extra_fields.is_empty() {
             bill.warnings.push(format!(
@@ -734,6 +852,36 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+/// Bytes of results one process holds at most while Redis does not take them (see
+/// [`Worker::commit_until_written`]); a result past it is dropped and counted.
+pub const MAX_HELD_RESULT_BYTES: usize = 256 << 20;
+/// How often a result that no key fix can yet take is retried.
+const UNWRITABLE_RETRY: Duration = Duration::from_secs(5);
+/// How often the error for such a result is logged again.
+const UNWRITABLE_LOG_EVERY: Duration = Duration::from_secs(60);
+
+static HELD_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// A share of [`MAX_HELD_RESULT_BYTES`], given back on drop.
+struct HeldBytes(usize);
+
+impl HeldBytes {
+    fn take(n: usize) -> Option<HeldBytes> {
+        HELD_BYTES
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |cur| {
+                (cur + n <= MAX_HELD_RESULT_BYTES).then_some(cur + n)
+            })
+            .ok()
+            .map(|_| HeldBytes(n))
+    }
+}
+
+impl Drop for HeldBytes {
+    fn drop(&mut self) {
+        HELD_BYTES.fetch_sub(self.0, Ordering::SeqCst);
     }
 }
 

@@ -1,0 +1,769 @@
+//! The commit path under faults (issue 8, points 1, 2, 4, 6, 7 and 13): a result is
+//! never acknowledged without being written, a paid result is never dropped or paid
+//! twice because Redis was away, full or misconfigured, and bad input keeps every byte
+//! the producer wrote. Real redis-server, the simulated provider over HTTP, the real
+//! binary where faults need processes; every wait bounded.
+
+mod common;
+
+use common::*;
+use llm_worker::queue::{Commit, Queue};
+use llm_worker::sim::SimOptions;
+use redis::AsyncCommands;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+fn sim_calls(sim: &SimHandle) -> BTreeMap<String, u64> {
+    sim.sim.stats().calls_per_job
+}
+
+/// Consumer-group setup as the worker does it, for tests that place entries by hand.
+async fn create_group(conn: &mut redis::aio::MultiplexedConnection) {
+    let r: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(conn)
+        .await;
+    if let Err(e) = r {
+        assert_eq!(e.code(), Some("BUSYGROUP"), "{e}");
+    }
+}
+
+/// Reads every new entry as consumer `who`.
+async fn read_as(conn: &mut redis::aio::MultiplexedConnection, who: &str) {
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("workers")
+        .arg(who)
+        .arg("STREAMS")
+        .arg("{llm}:jobs")
+        .arg(">")
+        .query_async(conn)
+        .await
+        .expect("xreadgroup");
+}
+
+/// Gives `entry` to `who`, idle for `idle_ms`, delivered `count` times so far.
+async fn xclaim(
+    conn: &mut redis::aio::MultiplexedConnection,
+    who: &str,
+    entry: &str,
+    idle_ms: u64,
+    count: u64,
+) {
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg(who)
+        .arg(0)
+        .arg(entry)
+        .arg("IDLE")
+        .arg(idle_ms)
+        .arg("RETRYCOUNT")
+        .arg(count)
+        .arg("JUSTID")
+        .query_async(conn)
+        .await
+        .expect("xclaim");
+}
+
+async fn queue_for(redis: &RedisServer, sim: &SimHandle) -> Queue {
+    let cfg = TestConfig::new(redis, sim).parsed();
+    let pool = llm_worker::queue::command_pool(&cfg, 4).expect("pool");
+    Queue::new(&cfg, pool)
+}
+
+fn result_commit(entry: &str, job_id: &str, status: &str, worker: &str) -> Commit {
+    Commit {
+        entry_id: entry.into(),
+        result: vec![
+            ("job_id", job_id.as_bytes().to_vec()),
+            ("job_entry", entry.as_bytes().to_vec()),
+            ("status", status.as_bytes().to_vec()),
+            ("worker", worker.as_bytes().to_vec()),
+        ],
+        dead: vec![],
+        dedupe_id: Some(job_id.into()),
+        inflight_id: Some(job_id.into()),
+        status: status.into(),
+        costs: vec![],
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Point 1: nothing is acknowledged unless its result is written.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_key_of_wrong_type_leaves_the_job_pending() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let _: () = conn.set("{llm}:results", "x").await?;
+    push(&mut conn, "llm", &[job("wt-1", "hi")]).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert!(
+        wait_for(Duration::from_secs(15), || async {
+            sim_calls(&sim).get("wt-1") == Some(&1)
+        })
+        .await,
+        "the job ran\n{}",
+        w.log()
+    );
+    assert!(
+        wait_log(&w, "WRONGTYPE", Duration::from_secs(10)).await,
+        "{}",
+        w.log()
+    );
+    // Give a wrong ack time to show.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        pending_count(&mut conn, "{llm}:jobs", "workers").await,
+        1,
+        "nothing acknowledged without its result\n{}",
+        w.log()
+    );
+    assert!(
+        w.log().contains("{llm}:results is a string"),
+        "the error names the key\n{}",
+        w.log()
+    );
+    // The operator fixes the key: the held result is written, the job not paid again.
+    let _: () = conn.del("{llm}:results").await?;
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(results[0].1["status"], "ok", "{results:?}");
+    assert_eq!(sim_calls(&sim).get("wt-1"), Some(&1));
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            let mut c = conn.clone();
+            async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 0 }
+        })
+        .await
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_key_of_wrong_type_writes_a_minimal_failed_result() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let _: () = conn.set("{llm}:cost", "x").await?;
+    push(&mut conn, "llm", &[job("wc-1", "hi")]).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    let r = &results[0].1;
+    assert_eq!(r["status"], "failed", "{r:?}");
+    assert!(r["error"].contains("{llm}:cost"), "{r:?}");
+    assert_eq!(r["attempts"], "1", "{r:?}");
+    assert_ne!(
+        r["cost_usd"], "0",
+        "the paid call's cost is reported: {r:?}"
+    );
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    assert_eq!(sim_calls(&sim).get("wc-1"), Some(&1));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_and_marker_keys_of_wrong_type_are_named_and_nothing_is_half_written()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // A dead-letter stream of the wrong type: the invalid job gets a minimal `failed`
+    // result naming the key, and no half-written dead letter.
+    let _: () = conn.set("{llm}:dead", "x").await?;
+    push_fields(&mut conn, "llm", &[("body", b"{}")]).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let bad = &results[0].1;
+    assert_eq!(bad["status"], "failed", "{bad:?}");
+    assert!(bad["error"].contains("{llm}:dead is a string"), "{bad:?}");
+    let kind: String = redis::cmd("TYPE")
+        .arg("{llm}:dead")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(kind, "string");
+    // A result marker of the wrong type: the job fails without a model call (a call
+    // without the idempotency check could pay for the id twice), naming the key.
+    let _: () = conn.del("{llm}:dead").await?;
+    let _: () = conn.rpush("{llm}:done:mk-1", "x").await?;
+    push(&mut conn, "llm", &[job("mk-1", "hi")]).await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 2, "{results:?}");
+    let marked = &results[1].1;
+    assert_eq!(marked["status"], "failed", "{marked:?}");
+    assert!(
+        marked["error"].contains("{llm}:done:mk-1 is a list"),
+        "{marked:?}"
+    );
+    assert_eq!(sim_calls(&sim).get("mk-1"), None, "no model call");
+    assert_eq!(xlen(&mut conn, "{llm}:dead").await, 1);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Point 2: a paid result is held through an outage, never dropped or paid twice.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_full_holds_the_result_then_commits_it_once() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 3000,
+        ..SimOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("oom-1", "hi")]).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")]);
+    assert!(
+        in_flight_at_least(&sim, 1, Duration::from_secs(15)).await,
+        "{}",
+        w.log()
+    );
+    // Fill Redis past maxmemory with noeviction: every write is refused with OOM. The
+    // limit sits between the usage without and with the big key, so freeing the key
+    // (and nothing else) lets writes in again.
+    let used = used_memory(&mut conn).await;
+    let big = vec![b'x'; 8 << 20];
+    let _: () = conn.set("{llm}:big", big).await?;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut conn)
+        .await?;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used + (4 << 20))
+        .query_async(&mut conn)
+        .await?;
+    let full = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move {
+            let probe: redis::RedisResult<()> = c.set("{llm}:probe", "x").await;
+            probe.is_err_and(|e| e.code() == Some("OOM"))
+        }
+    })
+    .await;
+    assert!(full, "Redis refuses writes with OOM");
+    assert!(
+        wait_log(&w, "OOM", Duration::from_secs(10)).await,
+        "the commit met OOM (results: {})\n{}",
+        xlen(&mut conn, "{llm}:results").await,
+        w.log()
+    );
+    // Full for 4 x claim_idle_ms.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
+    let _: () = conn.del("{llm}:big").await?;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(0)
+        .query_async(&mut conn)
+        .await?;
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    // Time for a second (wrong) commit or call to show.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 1);
+    assert_eq!(
+        sim_calls(&sim).get("oom-1"),
+        Some(&1),
+        "paid once\n{}",
+        w.log()
+    );
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    Ok(())
+}
+
+async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(conn)
+        .await
+        .expect("info");
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("used_memory")
+}
+
+/// The process id of a test's redis-server (from INFO), for SIGSTOP/SIGCONT.
+async fn redis_pid(conn: &mut redis::aio::MultiplexedConnection) -> u32 {
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(conn)
+        .await
+        .expect("info");
+    info.lines()
+        .find_map(|l| l.strip_prefix("process_id:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("process_id")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_longer_than_claim_idle_pays_every_job_once() -> anyhow::Result<()> {
+    const JOBS: usize = 16;
+    let redis = RedisServer::start();
+    // Some calls end while Redis is stopped (their results wait), some after it resumes
+    // (their entries look idle for longer than claim_idle_ms by then).
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 1500,
+        jitter_ms: 3000,
+        ..SimOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir()?;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 4;
+    tc.slots = 8;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")];
+    let mut conn = redis.conn().await;
+    let pid = redis_pid(&mut conn).await;
+    push(&mut conn, "llm", &jobs("stop", JOBS)).await;
+    let w1 = WorkerProc::spawn(&cfg, "w1", &env);
+    let w2 = WorkerProc::spawn(&cfg, "w2", &env);
+    assert!(
+        in_flight_at_least(&sim, 8, Duration::from_secs(15)).await,
+        "{}",
+        logs_tail(&[&w1, &w2], 20)
+    );
+    // Stopped for 8 x claim_idle_ms: long enough for the pool's connection checks and
+    // connects (2 s each) to fail, so commits fail rather than wait.
+    signal(pid, libc_sig::STOP);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    signal(pid, libc_sig::CONT);
+    context(
+        wait_len(
+            &mut conn,
+            "{llm}:results",
+            JOBS as u64,
+            Duration::from_secs(60),
+        )
+        .await,
+        &[&w1, &w2],
+    )?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, JOBS);
+    let calls = sim_calls(&sim);
+    let twice: Vec<_> = calls.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        twice.is_empty() && calls.len() == JOBS,
+        "every job paid exactly once: {twice:?}\n{}",
+        logs_tail(&[&w1, &w2], 30)
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_lost_after_the_commit_counts_as_written() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &[job("lost-1", "hi")]).await;
+    read_as(&mut conn, q.consumer()).await;
+    let c = result_commit(&ids[0], "lost-1", "ok", q.consumer());
+    let first = format!("{:?}", q.commit(&c).await?);
+    assert!(first.contains("Written"), "{first}");
+    // The same commit again, as after a reply lost on a dropped connection.
+    let again = format!("{:?}", q.commit(&c).await?);
+    assert!(again.contains("AlreadyWritten"), "{again}");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);
+    // Another worker's commit of the same entry is superseded.
+    let other = result_commit(&ids[0], "lost-1", "ok", "someone-else");
+    let q2 = {
+        let mut cfg = TestConfig::new(&redis, &sim).parsed();
+        cfg.queue.consumer = "someone-else-2".into();
+        let pool = llm_worker::queue::command_pool(&cfg, 4)?;
+        Queue::new(&cfg, pool)
+    };
+    let sup = format!("{:?}", q2.commit(&other).await?);
+    assert!(sup.contains("Superseded"), "{sup}");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Point 4: an entry the producer deletes while it runs still gets its result.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entry_deleted_by_the_producer_while_running_still_gets_its_result() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 2500,
+        ..SimOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let ids = push(&mut conn, "llm", &[job("del-1", "hi")]).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "600")]);
+    assert!(
+        in_flight_at_least(&sim, 1, Duration::from_secs(15)).await,
+        "{}",
+        w.log()
+    );
+    let _: i64 = conn.xdel("{llm}:jobs", &[&ids[0]]).await?;
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 1);
+    assert_eq!(results[0].1["job_entry"], ids[0]);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    assert!(
+        wait_log(
+            &w,
+            "deleted from the stream by the producer",
+            Duration::from_secs(5)
+        )
+        .await,
+        "{}",
+        w.log()
+    );
+    assert_eq!(sim_calls(&sim).get("del-1"), Some(&1));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Point 6: a `dead` commit never replaces an `ok` result marker.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_copy_of_a_done_id_is_a_duplicate_not_dead() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let env = [
+        ("LLM_WORKER__QUEUE__MAX_DELIVERIES", "2"),
+        ("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "300"),
+    ];
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("twice-1", "hi")]).await;
+    let mut w1 = WorkerProc::spawn(&cfg, "w1", &env);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await,
+        &[&w1],
+    )?;
+    stop_clean(&mut w1, Duration::from_secs(10)).await;
+    // A second copy of the id, delivered 10 times to a consumer that died.
+    let copy = push(&mut conn, "llm", &[job("twice-1", "hi")]).await;
+    read_as(&mut conn, "ghost").await;
+    xclaim(&mut conn, "ghost", &copy[0], 100_000, 10).await;
+    let w2 = WorkerProc::spawn(&cfg, "w2", &env);
+    context(
+        wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(15)).await,
+        &[&w2],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let r = &results[1].1;
+    assert_eq!(r["status"], "ok", "a duplicate of the ok result: {r:?}");
+    assert_eq!(r["duplicate_of"], results[0].0, "{r:?}");
+    let marker: String = conn.get("{llm}:done:twice-1").await?;
+    assert_eq!(marker, format!("{}|ok", results[0].0));
+    assert_eq!(xlen(&mut conn, "{llm}:dead").await, 0);
+    assert_eq!(sim_calls(&sim).get("twice-1"), Some(&1));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_script_keeps_an_ok_marker() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &[job("m-1", "a"), job("m-1", "b")]).await;
+    read_as(&mut conn, q.consumer()).await;
+    let _ = q
+        .commit(&result_commit(&ids[0], "m-1", "ok", q.consumer()))
+        .await?;
+    let ok: String = conn.get("{llm}:done:m-1").await?;
+    assert!(ok.ends_with("|ok"), "{ok}");
+    let _ = q
+        .commit(&result_commit(&ids[1], "m-1", "dead", q.consumer()))
+        .await?;
+    let after: String = conn.get("{llm}:done:m-1").await?;
+    assert_eq!(after, ok, "the ok marker stays");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 2);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Point 7: delivery counts of exactly the reclaimed entries.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaim_reports_the_delivery_count_of_every_claimed_entry() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &jobs("dc", 5)).await;
+    read_as(&mut conn, "ghost").await;
+    // Entries 1 and 3 are this worker's own, recently active: they lie between the
+    // stalled ones and must not crowd them out of the delivery-count query.
+    for (i, id) in ids.iter().enumerate() {
+        if i % 2 == 1 {
+            xclaim(&mut conn, q.consumer(), id, 0, 1).await;
+        } else {
+            xclaim(&mut conn, "ghost", id, 100_000, 6).await;
+        }
+    }
+    let r = q.reclaim(10).await?;
+    let got: HashMap<String, u64> = r
+        .deliveries
+        .iter()
+        .map(|d| (d.entry_id.clone(), d.deliveries))
+        .collect();
+    let want: HashMap<String, u64> = [0, 2, 4].iter().map(|i| (ids[*i].clone(), 7)).collect();
+    assert_eq!(got, want);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Point 13 (first half): bad input keeps every field the producer wrote.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_keeps_every_original_field_verbatim() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let body = br#"{"id":"wrong-field","messages":[{"role":"user","content":"hi"}]}"#;
+    let odd: &[u8] = b"\xff\x00not utf-8";
+    let entry = push_fields(&mut conn, "llm", &[("body", body), ("note", odd)]).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(
+        wait_len(&mut conn, "{llm}:dead", 1, Duration::from_secs(15)).await,
+        &[&w],
+    )?;
+    let dead = entries_raw(&mut conn, "{llm}:dead").await;
+    let d = &dead[0].1;
+    assert_eq!(d["job_entry"], entry.as_bytes());
+    assert_eq!(d["body"], body.to_vec(), "{d:?}");
+    assert_eq!(d["note"], odd.to_vec(), "{d:?}");
+    let reason = String::from_utf8_lossy(&d["reason"]).into_owned();
+    assert!(
+        reason.contains("{llm}:jobs") && !reason.contains("{ns}"),
+        "{reason}"
+    );
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["status"], "invalid", "{results:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Point 2, the real thing: a network partition between the workers and Redis.
+
+/// `ip ARGS`; true on success.
+fn ip(args: &[&str]) -> bool {
+    std::process::Command::new("ip")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A redis-server inside a network namespace this test creates, reached over a veth pair
+/// with link-local addresses (a /30 of 169.254.0.0/16 chosen from the process id, so
+/// parallel runs do not collide). `partition` takes the host end of the link down.
+/// Dropping it kills the server and deletes the namespace (and with it the veth pair).
+struct NetnsRedis {
+    ns: String,
+    host_if: String,
+    addr: String,
+    port: u16,
+    child: Option<std::process::Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl NetnsRedis {
+    /// `None` when network namespaces cannot be made here (not root, no `ip`).
+    fn start() -> Option<NetnsRedis> {
+        let pid = std::process::id();
+        let tag = pid % 100_000;
+        let ns = format!("lwc{tag}");
+        if !ip(&["netns", "add", &ns]) {
+            return None;
+        }
+        let (host_if, peer_if) = (format!("lwh{tag}"), format!("lwp{tag}"));
+        let third = 100 + (pid % 100);
+        let base = 4 * ((pid / 100) % 63);
+        let host_addr = format!("169.254.{third}.{}", base + 1);
+        let addr = format!("169.254.{third}.{}", base + 2);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut me = NetnsRedis {
+            ns: ns.clone(),
+            host_if: host_if.clone(),
+            addr: addr.clone(),
+            port: free_port(),
+            child: None,
+            _dir: dir,
+        };
+        let ok = ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", &peer_if, "netns", &ns,
+        ]) && ip(&["addr", "add", &format!("{host_addr}/30"), "dev", &host_if])
+            && ip(&["link", "set", &host_if, "up"])
+            && ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{addr}/30"),
+                "dev",
+                &peer_if,
+            ])
+            && ip(&["-n", &ns, "link", "set", &peer_if, "up"])
+            && ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        assert!(ok, "veth setup in namespace {ns} failed");
+        let child = std::process::Command::new("ip")
+            .args(["netns", "exec", &ns, "redis-server", "--port"])
+            .arg(me.port.to_string())
+            // Protected mode refuses non-loopback clients of a password-less server; this
+            // one is reachable only over the test's own veth pair.
+            .args(["--bind", &addr, "--protected-mode", "no"])
+            .args(["--save", "", "--appendonly", "no", "--dir"])
+            .arg(me._dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server in the namespace");
+        me.child = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect((addr.as_str(), me.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "redis-server in {ns} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(me)
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}:{}", self.addr, self.port)
+    }
+
+    fn link(&self, up: bool) {
+        let state = if up { "up" } else { "down" };
+        assert!(ip(&["link", "set", &self.host_if, state]), "link {state}");
+    }
+}
+
+impl Drop for NetnsRedis {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        ip(&["netns", "del", &self.ns]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_partition_longer_than_claim_idle_pays_every_job_once() -> anyhow::Result<()> {
+    const JOBS: usize = 16;
+    let Some(redis) = NetnsRedis::start() else {
+        eprintln!(
+            "SKIPPED network_partition_longer_than_claim_idle_pays_every_job_once: `ip netns add` is unavailable here (needs root and iproute2)"
+        );
+        return Ok(());
+    };
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 1500,
+        jitter_ms: 3000,
+        ..SimOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir()?;
+    let mut tc = TestConfig::with_urls(&redis.url(), sim.addr);
+    tc.concurrency = 4;
+    tc.slots = 8;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")];
+    let client = redis::Client::open(redis.url())?;
+    let mut conn = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.get_multiplexed_async_connection(),
+    )
+    .await??;
+    push(&mut conn, "llm", &jobs("part", JOBS)).await;
+    let w1 = WorkerProc::spawn(&cfg, "w1", &env);
+    let w2 = WorkerProc::spawn(&cfg, "w2", &env);
+    assert!(
+        in_flight_at_least(&sim, 8, Duration::from_secs(15)).await,
+        "{}",
+        logs_tail(&[&w1, &w2], 20)
+    );
+    // Both workers cut off from Redis for 8 x claim_idle_ms.
+    redis.link(false);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    redis.link(true);
+    context(
+        wait_len(
+            &mut conn,
+            "{llm}:results",
+            JOBS as u64,
+            Duration::from_secs(60),
+        )
+        .await,
+        &[&w1, &w2],
+    )?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, JOBS);
+    let calls = sim_calls(&sim);
+    let twice: Vec<_> = calls.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(
+        twice.is_empty() && calls.len() == JOBS,
+        "every job paid exactly once: {twice:?}\n{}",
+        logs_tail(&[&w1, &w2], 30)
+    );
+    Ok(())
+}
