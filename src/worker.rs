@@ -471,6 +471,8 @@ impl Worker {
             return Some(self.reject(d, Some(&job.id), "dead", &reason, started));
         }
         lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+        #[cfg(debug_assertions)]
+        debug_hooks::maybe_panic(&job.id);
         // Idempotency by id: one model call per id, however many copies are pushed.
         let mut backoff = Backoff::new();
         loop {
@@ -794,5 +796,26 @@ impl Backoff {
 impl Default for Backoff {
     fn default() -> Self {
         Backoff::new()
+    }
+}
+
+/// Fault injection for the integration tests, compiled into debug builds only (release
+/// binaries carry none of it). `LLM_WORKER_DEBUG_PANIC_ONCE_JOB=<job id>`: the first task
+/// of this process that reaches the idempotency check for that id panics, as a bug in
+/// the job path would.
+#[cfg(debug_assertions)]
+mod debug_hooks {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static FIRED: AtomicBool = AtomicBool::new(false);
+
+    pub(super) fn maybe_panic(job_id: &str) {
+        let Ok(target) = std::env::var("LLM_WORKER_DEBUG_PANIC_ONCE_JOB") else {
+            return;
+        };
+        if target == job_id && !FIRED.swap(true, Ordering::SeqCst) {
+            tracing::warn!(job = %job_id, "debug hook: panicking in the job task");
+            panic!("debug hook: LLM_WORKER_DEBUG_PANIC_ONCE_JOB={job_id}");
+        }
     }
 }
