@@ -1,6 +1,7 @@
 -- Hand an unfinished job back to the fleet (shutdown), in one atomic step: a new entry on
 -- the jobs stream with every field of the old one verbatim plus `_deliveries` (deliveries
--- so far), the XACK (+XDEL) of the old entry, and the release of the job id's in-progress
+-- so far) and `_entry` (the entry id the job was first pushed as; kept from an earlier
+-- hand-back), the XACK (+XDEL) of the old entry, and the release of the job id's in-progress
 -- marker if it is the old entry's (so the new entry can claim the id).
 -- Only if the old entry is still pending under this consumer: a job committed or taken
 -- over meanwhile is left alone. Every check runs before the first write.
@@ -27,14 +28,19 @@ if #e == 0 then
 end
 local fields = {}
 local old = e[1][2]
+local first = ARGV[3]
 for j = 1, #old, 2 do
-  if old[j] ~= '_deliveries' then
+  if old[j] == '_entry' then
+    first = old[j + 1]
+  elseif old[j] ~= '_deliveries' then
     fields[#fields + 1] = old[j]
     fields[#fields + 1] = old[j + 1]
   end
 end
 fields[#fields + 1] = '_deliveries'
 fields[#fields + 1] = ARGV[4]
+fields[#fields + 1] = '_entry'
+fields[#fields + 1] = first
 local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 if release then
   redis.call('DEL', KEYS[2])

@@ -153,8 +153,12 @@ pub struct Delivery {
     pub payload: Option<Vec<u8>>,
     /// Names of fields other than `payload` (reported, not fatal).
     pub extra_fields: Vec<String>,
-    /// How many times this entry has been delivered (1 for a fresh read).
+    /// How many times this entry has been delivered (1 for a fresh read), plus the
+    /// deliveries a hand-back carried over.
     pub deliveries: u64,
+    /// The entry id the job was first pushed as, if this entry is a hand-back of it
+    /// (field `_entry`): the job id of a payload without `id`, so it stays the same.
+    pub first_entry: Option<String>,
 }
 
 impl Delivery {
@@ -162,8 +166,11 @@ impl Delivery {
         let mut payload = None;
         let mut extra = vec![];
         let mut deliveries = deliveries;
+        let mut first_entry = None;
         for (k, v) in id.map {
-            if k == HANDED_BACK_DELIVERIES {
+            if k == HANDED_BACK_ENTRY {
+                first_entry = redis::from_redis_value::<String>(v).ok();
+            } else if k == HANDED_BACK_DELIVERIES {
                 // A hand-back (see `Queue::hand_back`) carries the deliveries so far.
                 deliveries += redis::from_redis_value::<u64>(v).unwrap_or(0);
             } else if k == "payload" {
@@ -183,6 +190,7 @@ impl Delivery {
             payload,
             extra_fields: extra,
             deliveries,
+            first_entry,
         }
     }
 }
@@ -488,6 +496,8 @@ impl Queue {
 /// handed back. The reader adds it to the entry's own delivery count, so
 /// `queue.max_deliveries` still counts every worker that took the job.
 pub const HANDED_BACK_DELIVERIES: &str = "_deliveries";
+/// Field a handed-back entry carries: the entry id the job was first pushed as.
+pub const HANDED_BACK_ENTRY: &str = "_entry";
 
 /// What [`Queue::hand_back`] did with an entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -504,7 +514,7 @@ impl Queue {
     /// Hands an unfinished job back to the fleet at once (shutdown), instead of leaving it
     /// pending until another worker's `queue.claim_idle_ms` passes: in one script
     /// (`lua/handback.lua`), a new entry with every original field verbatim plus
-    /// [`HANDED_BACK_DELIVERIES`], the XACK (+XDEL) of the old one, and the release of the
+    /// [`HANDED_BACK_DELIVERIES`] and [`HANDED_BACK_ENTRY`], the XACK (+XDEL) of the old one, and the release of the
     /// job id's in-progress marker if it is this entry's (so the new entry can claim the
     /// id). Only if the old entry is still pending under this consumer.
     pub async fn hand_back(

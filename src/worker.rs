@@ -618,7 +618,7 @@ impl Worker {
         let mut bill = Bill::default();
         let job = match job::parse(
             d.payload.as_deref(),
-            &d.entry_id,
+            d.first_entry.as_deref().unwrap_or(&d.entry_id),
             self.cfg.queue.max_payload_bytes,
             &self.cfg,
         ) {

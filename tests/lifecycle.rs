@@ -303,7 +303,8 @@ async fn no_provider_call_starts_after_sigterm() -> anyhow::Result<()> {
 
 /// Point 15: w1 runs 4 long calls, w2 waits for work. SIGTERM to w1 with a 500 ms grace:
 /// its 4 jobs are handed back (new entries, same fields, `_deliveries`), and w2 finishes
-/// them within 2 s of w1's exit, exactly one result each; w1's consumer is removed.
+/// them within 2 s of w1's exit, exactly one result each (a job without `id` keeps its
+/// first entry id as job id); w1's consumer is removed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_hands_unfinished_jobs_to_another_worker_within_2s() -> anyhow::Result<()> {
     let mut bed = Bed::new(latency(5000), |tc| {
@@ -312,8 +313,9 @@ async fn sigterm_hands_unfinished_jobs_to_another_worker_within_2s() -> anyhow::
         tc.grace_ms = 500;
     })
     .await?;
-    let payloads = jobs("job", 4);
-    push(&mut bed.conn, "llm", &payloads).await;
+    let mut payloads = jobs("job", 3);
+    payloads.push(r#"{"messages":[{"role":"user","content":"no id"}]}"#.to_string());
+    let entry_ids = push(&mut bed.conn, "llm", &payloads).await;
     let mut w1 = WorkerProc::spawn(&bed.cfg, "w1", &[]);
     assert!(
         in_flight_at_least(&bed.sim, 4, Duration::from_secs(10)).await,
@@ -346,6 +348,10 @@ async fn sigterm_hands_unfinished_jobs_to_another_worker_within_2s() -> anyhow::
     for (_, r) in &results {
         assert_eq!(r["worker"], "w2", "{r:?}");
     }
+    assert!(
+        results.iter().any(|(_, r)| r["job_id"] == entry_ids[3]),
+        "the id-less job keeps its first entry id as job id: {results:?}"
+    );
     let cs = consumers(&mut bed.conn).await;
     assert!(!cs.contains_key("w1"), "w1 removed its consumer: {cs:?}");
     stop_clean(&mut w2, Duration::from_secs(6)).await;
@@ -398,6 +404,11 @@ async fn handed_back_entries_keep_every_field_and_count_the_delivery() -> anyhow
     assert_eq!(fields["payload"], payload.as_bytes());
     assert_eq!(fields["trace"], b"\xff\x00raw".to_vec());
     assert_eq!(fields["_deliveries"], b"1".to_vec());
+    assert_eq!(
+        fields["_entry"],
+        old.as_bytes().to_vec(),
+        "the first entry id"
+    );
     assert_eq!(
         pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
         0
