@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 pub struct Shutdown {
     /// First signal: stop taking jobs, let in-flight ones finish.
     pub stop: CancellationToken,
-    /// Grace over (or second signal): cancel in-flight jobs, leave them pending.
+    /// Grace over (or second signal): cancel in-flight jobs (the worker hands them back).
     pub abort: CancellationToken,
 }
 
@@ -33,7 +33,7 @@ impl Shutdown {
         tokio::spawn(async move {
             tokio::select! {
                 _ = tokio::time::sleep(grace) => {
-                    tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; cancelling jobs still in flight (they stay pending)");
+                    tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; cancelling jobs still in flight (they are handed back)");
                     abort.cancel();
                 }
                 _ = abort.cancelled() => {}

@@ -5,7 +5,10 @@
 //! - never more jobs read than there are free job permits (back-pressure: a job is read
 //!   only when a task can start on it at once);
 //! - a job is acknowledged only through [`Queue::commit`], together with its result;
-//! - a job cancelled by shutdown is left pending (no commit), for another worker;
+//! - one task per entry in this process: an entry in `active` is never started again (a
+//!   self-reclaim is skipped), and a task's bookkeeping is undone by its drop guard;
+//! - no provider call starts after the first signal; a job stopped by shutdown without a
+//!   result is handed back to the fleet (or, if Redis is away, left pending);
 //! - every provider call holds a slot of its model's pool for its whole duration.
 
 use crate::config::Config;
