@@ -494,7 +494,9 @@ impl Worker {
         let first = since.is_none();
         let since = *since.get_or_insert_with(Instant::now);
         if first {
-            let waiting = lock(&self.active).len() - lock(&self.permits).len();
+            let waiting = lock(&self.active)
+                .len()
+                .saturating_sub(lock(&self.permits).len());
             if waiting < self.cfg.worker.concurrency {
                 drop(lock(&self.permits).remove(entry_id));
             }
