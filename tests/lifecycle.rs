@@ -488,3 +488,80 @@ async fn reclaimer_removes_idle_empty_consumers_only() -> anyhow::Result<()> {
     stop_clean(&mut w, Duration::from_secs(6)).await;
     Ok(())
 }
+
+/// The hand-back script on its own: it moves only an entry pending under this consumer
+/// (one owned by another consumer is left alone), releases the id's in-progress marker
+/// only if it is the entry's, and acknowledges an entry deleted while pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()> {
+    use llm_worker::queue::{HandBack, Queue, command_pool};
+    let bed = Bed::new(latency(10), |_| {}).await?;
+    let mut conn = bed.conn.clone();
+    let mut cfg = TestConfig::with_urls(&bed._redis.url(), bed.sim.addr).parsed();
+    cfg.queue.consumer = "w1".into();
+    let queue = Queue::new(&cfg, command_pool(&cfg, 4)?);
+    queue.ensure_group().await?;
+    let reader = conn.clone();
+    let read_as = |consumer: &'static str| {
+        let mut c = reader.clone();
+        async move {
+            let r: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("workers")
+                .arg(consumer)
+                .arg("COUNT")
+                .arg(1)
+                .arg("STREAMS")
+                .arg("{llm}:jobs")
+                .arg(">")
+                .query_async(&mut c)
+                .await
+                .expect("xreadgroup");
+            r.keys[0].ids[0].id.clone()
+        }
+    };
+    // Owned by another consumer: untouched.
+    push(&mut conn, "llm", &[job("theirs", "hi")]).await;
+    let theirs = read_as("other").await;
+    assert_eq!(
+        queue.hand_back(&theirs, Some("theirs"), 1).await?,
+        HandBack::NotOurs
+    );
+    assert_eq!(deliveries_of(&mut conn, &theirs).await, 1, "still pending");
+    // Ours, with a marker held by another copy of the id: moved, marker kept.
+    push(&mut conn, "llm", &[job("mine", "hi")]).await;
+    let mine = read_as("w1").await;
+    let _: () = conn.set("{llm}:inflight:mine", "9-9").await?;
+    let HandBack::Moved(new) = queue.hand_back(&mine, Some("mine"), 3).await? else {
+        panic!("not moved");
+    };
+    assert_eq!(
+        deliveries_of(&mut conn, &mine).await,
+        0,
+        "old entry acknowledged"
+    );
+    let marker: Option<String> = conn.get("{llm}:inflight:mine").await?;
+    assert_eq!(
+        marker.as_deref(),
+        Some("9-9"),
+        "another copy's marker is kept"
+    );
+    let all = entries_raw(&mut conn, "{llm}:jobs").await;
+    let moved = &all.iter().find(|(id, _)| id == &new).expect("new entry").1;
+    assert_eq!(moved["_deliveries"], b"3".to_vec());
+    assert!(
+        all.iter().all(|(id, _)| id != &mine),
+        "old entry deleted (queue.delete_acked)"
+    );
+    // Ours but deleted by the producer while pending: acknowledged, nothing re-queued.
+    let before = xlen(&mut conn, "{llm}:jobs").await;
+    let _ = read_as("w1").await; // the moved entry, now pending under w1
+    let _: i64 = conn.xdel("{llm}:jobs", &[&new]).await?;
+    assert_eq!(
+        queue.hand_back(&new, Some("mine"), 4).await?,
+        HandBack::Deleted
+    );
+    assert_eq!(deliveries_of(&mut conn, &new).await, 0);
+    assert_eq!(xlen(&mut conn, "{llm}:jobs").await, before - 1);
+    Ok(())
+}
