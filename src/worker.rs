@@ -193,7 +193,7 @@ impl Worker {
         let prune_idle = Duration::from_millis(self.cfg.queue.consumer_idle_remove_ms);
         let prune_every =
             (prune_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(60));
-        let mut next_prune = Instant::now();
+        let mut next_prune = tokio::time::Instant::now();
         let block = Duration::from_millis(self.cfg.queue.block_ms);
         let mut conn = None;
         let mut backoff = Backoff::new();
@@ -236,23 +236,26 @@ impl Worker {
                             metrics::counter!("llm_worker_jobs_deleted_while_pending_total")
                                 .increment(1);
                         }
-                        if !r.deliveries.is_empty() {
+                        let (ours, others): (Vec<Delivery>, Vec<Delivery>) = r
+                            .deliveries
+                            .into_iter()
+                            .partition(|d| self.is_active(&d.entry_id));
+                        if !others.is_empty() {
                             tracing::info!(
-                                count = r.deliveries.len(),
+                                count = others.len(),
                                 "took over jobs pending longer than queue.claim_idle_ms"
                             );
                             metrics::counter!("llm_worker_jobs_reclaimed_total")
-                                .increment(r.deliveries.len() as u64);
+                                .increment(others.len() as u64);
                         }
-                        for d in r.deliveries {
-                            if self.is_active(&d.entry_id) {
-                                // Our own running entry, reclaimed because its keepalive
-                                // lagged: it already has a task (and maybe a paid call).
-                                tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running; not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
-                                metrics::counter!("llm_worker_self_reclaims_skipped_total")
-                                    .increment(1);
-                                continue;
-                            }
+                        for d in ours {
+                            // Our own running entry, reclaimed because its keepalive
+                            // lagged: it already has a task (and maybe a paid call).
+                            tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running; not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
+                            metrics::counter!("llm_worker_self_reclaims_skipped_total")
+                                .increment(1);
+                        }
+                        for d in others {
                             let Some(permit) = permits.pop() else { break };
                             self.spawn_job(&tracker, d, permit, &abort);
                         }
@@ -268,8 +271,8 @@ impl Worker {
                     }
                 }
             }
-            if Instant::now() >= next_prune {
-                next_prune = Instant::now() + prune_every;
+            if tokio::time::Instant::now() >= next_prune {
+                next_prune = tokio::time::Instant::now() + prune_every;
                 self.prune_consumers(prune_idle).await;
             }
             let Some(c) = conn.as_mut() else { continue };
@@ -490,9 +493,13 @@ impl Worker {
     /// growing delay. `false`: stop waiting and leave the copy pending — draining began, or
     /// it waited `queue.claim_idle_ms` (it is then reclaimed later, by us or another
     /// worker, and checked again).
-    async fn wait_for_busy_id(&self, entry_id: &str, since: &mut Option<Instant>) -> bool {
+    async fn wait_for_busy_id(
+        &self,
+        entry_id: &str,
+        since: &mut Option<tokio::time::Instant>,
+    ) -> bool {
         let first = since.is_none();
-        let since = *since.get_or_insert_with(Instant::now);
+        let since = *since.get_or_insert_with(tokio::time::Instant::now);
         if first {
             let waiting = lock(&self.active)
                 .len()
