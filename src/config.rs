@@ -99,6 +99,9 @@ pub struct QueueConfig {
     pub block_ms: u64,
     /// XDEL a job entry when it is acknowledged, so `{ns}:jobs` holds only the backlog.
     pub delete_acked: bool,
+    /// The reclaimer removes other consumers of the group that own no pending entry and
+    /// have been idle this long (stopped pods that did not exit cleanly), in ms.
+    pub consumer_idle_remove_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -224,6 +227,7 @@ impl Default for QueueConfig {
             max_payload_bytes: 1 << 20,
             block_ms: 1000,
             delete_acked: true,
+            consumer_idle_remove_ms: 3_600_000,
         }
     }
 }
@@ -845,6 +849,11 @@ impl Config {
             ),
         )?;
         require(!q.group.is_empty(), "queue.group", "must not be empty")?;
+        require(
+            q.consumer_idle_remove_ms > 0,
+            "queue.consumer_idle_remove_ms",
+            "must be greater than 0",
+        )?;
         require(
             q.max_deliveries >= 1,
             "queue.max_deliveries",

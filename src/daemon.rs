@@ -1,8 +1,10 @@
 //! Wiring of the `run` subcommand: Redis, slots, worker, HTTP server and shutdown, in
 //! the order that makes a clean stop possible. Shared by `main` and the in-process demo.
 //!
-//! Shutdown order (vector-style): stop the source (reader) first, let jobs drain within
-//! the grace period, cancel the rest (left pending), release every slot, then return.
+//! Shutdown order (vector-style): stop the source (reader) first; jobs not yet calling a
+//! provider stop and are handed back at once; calls running drain within the grace
+//! period, the rest are cancelled and handed back; then every slot is released and this
+//! worker's consumer removed from the group (if it owns no pending entry), then return.
 
 use crate::config::Config;
 use crate::queue::{Queue, QueueError, command_pool};
@@ -97,11 +99,15 @@ pub async fn run(
         .run(shutdown.stop.clone(), shutdown.abort.clone())
         .await;
 
-    match tokio::time::timeout(Duration::from_millis(1500), slots.release_all()).await {
-        Ok(Ok(n)) => tracing::info!(released = n, "released every slot"),
-        Ok(Err(e)) => log_release_failure(&e),
-        Err(_) => tracing::error!("releasing slots timed out; their TTL frees them"),
-    }
+    // Both bounded, run together so an unreachable Redis costs 1.5 s once, not twice.
+    let release = async {
+        match tokio::time::timeout(Duration::from_millis(1500), slots.release_all()).await {
+            Ok(Ok(n)) => tracing::info!(released = n, "released every slot"),
+            Ok(Err(e)) => log_release_failure(&e),
+            Err(_) => tracing::error!("releasing slots timed out; their TTL frees them"),
+        }
+    };
+    tokio::join!(release, worker.remove_own_consumer());
     background.cancel();
     let _ = tokio::time::timeout(Duration::from_millis(300), slots_task).await;
     if let Some(t) = server_task {

@@ -201,11 +201,16 @@ pub struct Delivery {
     pub payload: Option<Vec<u8>>,
     /// Names of fields other than `payload` (reported, not fatal).
     pub extra_fields: Vec<String>,
-    /// Every field of the entry, verbatim and in stream order (copied into a dead
-    /// letter, so bad input never loses what the producer wrote).
+    /// Every field of the entry, verbatim (sorted by name), except the hand-back's own
+    /// bookkeeping fields: copied into a dead letter, so bad input never loses what the
+    /// producer wrote.
     pub fields: Vec<(String, Vec<u8>)>,
-    /// How many times this entry has been delivered (1 for a fresh read).
+    /// How many times this entry has been delivered (1 for a fresh read), plus the
+    /// deliveries a hand-back carried over.
     pub deliveries: u64,
+    /// The entry id the job was first pushed as, if this entry is a hand-back of it
+    /// (field `_entry`): the job id of a payload without `id`, so it stays the same.
+    pub first_entry: Option<String>,
 }
 
 impl Delivery {
@@ -213,7 +218,18 @@ impl Delivery {
         let mut payload = None;
         let mut extra = vec![];
         let mut fields = vec![];
+        let mut deliveries = deliveries;
+        let mut first_entry = None;
         for (k, v) in id.map {
+            if k == HANDED_BACK_ENTRY {
+                first_entry = redis::from_redis_value::<String>(v).ok();
+                continue;
+            }
+            if k == HANDED_BACK_DELIVERIES {
+                // A hand-back (see `Queue::hand_back`) carries the deliveries so far.
+                deliveries += redis::from_redis_value::<u64>(v).unwrap_or(0);
+                continue;
+            }
             let bytes = match v {
                 Value::BulkString(b) => b,
                 Value::SimpleString(s) => s.into_bytes(),
@@ -236,6 +252,7 @@ impl Delivery {
             extra_fields: extra,
             fields,
             deliveries,
+            first_entry,
         }
     }
 }
@@ -614,6 +631,76 @@ impl Queue {
                 })
                 .collect()
         }))
+    }
+}
+
+/// Field a handed-back entry carries: how many times the job was delivered before it was
+/// handed back. The reader adds it to the entry's own delivery count, so
+/// `queue.max_deliveries` still counts every worker that took the job.
+pub const HANDED_BACK_DELIVERIES: &str = "_deliveries";
+/// Field a handed-back entry carries: the entry id the job was first pushed as.
+pub const HANDED_BACK_ENTRY: &str = "_entry";
+
+/// What [`Queue::hand_back`] did with an entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HandBack {
+    /// Re-queued as this new entry id; the old one is acknowledged (and deleted).
+    Moved(String),
+    /// Not pending under this consumer any more (committed, or taken over): untouched.
+    NotOurs,
+    /// Deleted from the stream while pending: acknowledged, nothing to re-queue.
+    Deleted,
+}
+
+impl Queue {
+    /// Hands an unfinished job back to the fleet at once (shutdown), instead of leaving it
+    /// pending until another worker's `queue.claim_idle_ms` passes: in one script
+    /// (`lua/handback.lua`), a new entry with every original field verbatim plus
+    /// [`HANDED_BACK_DELIVERIES`] and [`HANDED_BACK_ENTRY`], the XACK (+XDEL) of the old one, and the release of the
+    /// job id's in-progress marker if it is this entry's (so the new entry can claim the
+    /// id). Only if the old entry is still pending under this consumer.
+    pub async fn hand_back(
+        &self,
+        entry_id: &str,
+        job_id: Option<&str>,
+        deliveries: u64,
+    ) -> Result<HandBack, QueueError> {
+        let script = redis::Script::new(include_str!("../lua/handback.lua"));
+        let mut inv = script.prepare_invoke();
+        inv.key(&self.keys.jobs)
+            .key(self.keys.inflight(job_id.unwrap_or("")))
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg(entry_id)
+            .arg(deliveries)
+            .arg(if self.delete_acked { 1 } else { 0 });
+        let mut conn = self.pool.get().await?;
+        let (kind, id): (String, String) = inv.invoke_async(&mut *conn).await?;
+        Ok(match kind.as_str() {
+            "moved" => HandBack::Moved(id),
+            "deleted" => HandBack::Deleted,
+            _ => HandBack::NotOurs,
+        })
+    }
+
+    /// Removes consumers that own no pending entry from the group (`lua/consumers.lua`):
+    /// with `Some(idle)`, every other consumer idle at least that long (the reclaimer's
+    /// sweep of stopped pods); with `None`, this worker's own consumer (a clean exit).
+    /// A consumer with pending entries is never removed: that would drop its entries from
+    /// the pending list, and nobody would ever reclaim them. Returns the removed names.
+    pub async fn remove_consumers(
+        &self,
+        idle: Option<Duration>,
+    ) -> Result<Vec<String>, QueueError> {
+        let script = redis::Script::new(include_str!("../lua/consumers.lua"));
+        let mut inv = script.prepare_invoke();
+        inv.key(&self.keys.jobs)
+            .arg(&self.group)
+            .arg(if idle.is_some() { "idle" } else { "self" })
+            .arg(&self.consumer)
+            .arg(idle.map(|d| d.as_millis() as u64).unwrap_or(0));
+        let mut conn = self.pool.get().await?;
+        Ok(inv.invoke_async(&mut *conn).await?)
     }
 }
 

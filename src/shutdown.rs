@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 pub struct Shutdown {
     /// First signal: stop taking jobs, let in-flight ones finish.
     pub stop: CancellationToken,
-    /// Grace over (or second signal): cancel in-flight jobs, leave them pending.
+    /// Grace over (or second signal): cancel in-flight jobs (the worker hands them back).
     pub abort: CancellationToken,
 }
 
@@ -33,7 +33,7 @@ impl Shutdown {
         tokio::spawn(async move {
             tokio::select! {
                 _ = tokio::time::sleep(grace) => {
-                    tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; cancelling jobs still in flight (they stay pending)");
+                    tracing::warn!(grace_ms = grace.as_millis() as u64, "grace period over; cancelling jobs still in flight (they are handed back)");
                     abort.cancel();
                 }
                 _ = abort.cancelled() => {}
@@ -71,5 +71,57 @@ impl Shutdown {
                 }
             }
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Shutdown;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    /// The drain sequence in paused time: `stop` at once, `abort` exactly when the grace
+    /// ends, not a tick earlier.
+    #[tokio::test(start_paused = true)]
+    async fn abort_fires_exactly_at_the_end_of_the_grace() {
+        let s = Shutdown::new();
+        let t0 = Instant::now();
+        s.begin(Duration::from_secs(25));
+        assert!(s.stop.is_cancelled(), "stop fires at once");
+        assert!(!s.abort.is_cancelled());
+        tokio::time::sleep(Duration::from_millis(24_999)).await;
+        assert!(!s.abort.is_cancelled(), "no abort before the grace ends");
+        tokio::time::timeout(Duration::from_secs(1), s.abort.cancelled())
+            .await
+            .expect("abort at the end of the grace");
+        assert_eq!(t0.elapsed(), Duration::from_secs(25));
+    }
+
+    /// A second `begin` (a repeated drain request) neither restarts nor extends the grace.
+    #[tokio::test(start_paused = true)]
+    async fn a_second_begin_does_not_restart_the_grace() {
+        let s = Shutdown::new();
+        let t0 = Instant::now();
+        s.begin(Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        s.begin(Duration::from_secs(10));
+        tokio::time::timeout(Duration::from_secs(30), s.abort.cancelled())
+            .await
+            .expect("abort");
+        assert_eq!(t0.elapsed(), Duration::from_secs(10));
+    }
+
+    /// A second signal cancels `abort` early; the grace timer then ends without effect.
+    #[tokio::test(start_paused = true)]
+    async fn early_abort_skips_the_rest_of_the_grace() {
+        let s = Shutdown::new();
+        let t0 = Instant::now();
+        s.begin(Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        s.abort.cancel();
+        s.abort.cancelled().await;
+        assert_eq!(t0.elapsed(), Duration::from_secs(2));
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert!(s.stop.is_cancelled() && s.abort.is_cancelled());
     }
 }

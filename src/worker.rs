@@ -5,7 +5,10 @@
 //! - never more jobs read than there are free job permits (back-pressure: a job is read
 //!   only when a task can start on it at once);
 //! - a job is acknowledged only through [`Queue::commit`], together with its result;
-//! - a job cancelled by shutdown is left pending (no commit), for another worker;
+//! - one task per entry in this process: an entry in `active` is never started again (a
+//!   self-reclaim is skipped), and a task's bookkeeping is undone by its drop guard;
+//! - no provider call starts after the first signal; a job stopped by shutdown without a
+//!   result is handed back to the fleet (or, if Redis is away, left pending);
 //! - every provider call holds a slot of its model's pool for its whole duration.
 
 use crate::config::Config;
@@ -13,7 +16,7 @@ use crate::cost::{self, Price, Usage};
 use crate::job::{self, Job};
 use crate::provider::{self, CallError, ProviderClient};
 use crate::queue::{
-    Commit, CommitOutcome, Delivery, IdClaim, Queue, QueueError, blocking_connection,
+    Commit, CommitOutcome, Delivery, HandBack, IdClaim, Queue, QueueError, blocking_connection,
 };
 use crate::router::{Candidate, Decision, ErrorClass, Plan, RetryPolicy};
 use crate::slots::{Lease, SlotError, Slots};
@@ -22,7 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -58,8 +61,22 @@ pub struct Worker {
     prices: HashMap<String, Price>,
     policy: RetryPolicy,
     pub state: Arc<WorkerState>,
-    /// Entries this process is working on: entry id -> job id (for keepalive).
+    /// Entries this process is working on: entry id -> job id (for keepalive; empty until
+    /// the payload is parsed). An entry is added when its task is spawned and removed by
+    /// the task's [`JobGuard`] on any exit (return, panic, cancellation), so keepalive
+    /// never keeps alive an entry nobody works on, and no second task starts on it.
     active: Mutex<HashMap<String, String>>,
+    /// The job permit of each running task, by entry id. A copy of a busy job id gives
+    /// its permit back while it waits (`wait_for_busy_id`); the guard drops the rest.
+    permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
+    /// At most `worker.concurrency` job tasks hold a permit.
+    sem: Arc<Semaphore>,
+    /// Fired on the first signal (mirrors `run`'s `stop`): no job starts a provider call
+    /// after it; jobs not yet calling give up and are handed back.
+    draining: CancellationToken,
+    /// Fired when the reader loop has ended: hand-backs wait for it, so a draining worker
+    /// never reads its own handed-back entries (its last blocking read is not cut short).
+    reader_stopped: CancellationToken,
 }
 
 /// Costs and tokens of one job, per model, for the result and the exact Redis totals.
@@ -126,6 +143,7 @@ enum Finished {
 
 impl Worker {
     pub fn new(cfg: Arc<Config>, queue: Queue, slots: Slots) -> Result<Worker, WorkerError> {
+        let cfg_concurrency = cfg.worker.concurrency;
         let mut providers = HashMap::new();
         for (name, p) in &cfg.providers {
             providers.insert(name.clone(), Arc::new(ProviderClient::new(name, p)?));
@@ -159,15 +177,31 @@ impl Worker {
             policy,
             state: Arc::new(WorkerState::default()),
             active: Mutex::new(HashMap::new()),
+            permits: Mutex::new(HashMap::new()),
+            sem: Arc::new(Semaphore::new(cfg_concurrency)),
+            draining: CancellationToken::new(),
+            reader_stopped: CancellationToken::new(),
         })
     }
 
-    /// Reads jobs until `stop` fires, then waits for the job tasks to end. Tasks finish
-    /// their jobs unless `abort` fires (the shutdown module fires it after the grace
-    /// period), in which case they stop and leave their jobs pending.
+    /// Reads jobs until `stop` fires, then waits for the job tasks to end. Tasks whose
+    /// provider call runs finish their jobs unless `abort` fires (the shutdown module fires
+    /// it after the grace period); tasks not yet calling (waiting for a slot, the rate
+    /// limit, a busy id, or in a retry backoff) stop at once. Both hand their jobs back.
     pub async fn run(self: Arc<Self>, stop: CancellationToken, abort: CancellationToken) {
-        let sem = Arc::new(Semaphore::new(self.cfg.worker.concurrency));
+        let sem = self.sem.clone();
         let tracker = TaskTracker::new();
+        let draining = self.draining.clone();
+        let stop_watch = stop.clone();
+        let mirror = tokio::spawn(async move {
+            stop_watch.cancelled().await;
+            draining.cancel();
+        });
+        let _mirror_guard = AbortOnDrop(mirror);
+        let prune_idle = Duration::from_millis(self.cfg.queue.consumer_idle_remove_ms);
+        let prune_every =
+            (prune_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(60));
+        let mut next_prune = tokio::time::Instant::now();
         let block = Duration::from_millis(self.cfg.queue.block_ms);
         let mut conn = None;
         let mut backoff = Backoff::new();
@@ -210,15 +244,26 @@ impl Worker {
                             metrics::counter!("llm_worker_jobs_deleted_while_pending_total")
                                 .increment(1);
                         }
-                        if !r.deliveries.is_empty() {
+                        let (ours, others): (Vec<Delivery>, Vec<Delivery>) = r
+                            .deliveries
+                            .into_iter()
+                            .partition(|d| self.is_active(&d.entry_id));
+                        if !others.is_empty() {
                             tracing::info!(
-                                count = r.deliveries.len(),
+                                count = others.len(),
                                 "took over jobs pending longer than queue.claim_idle_ms"
                             );
                             metrics::counter!("llm_worker_jobs_reclaimed_total")
-                                .increment(r.deliveries.len() as u64);
+                                .increment(others.len() as u64);
                         }
-                        for d in r.deliveries {
+                        for d in ours {
+                            // Our own running entry, reclaimed because its keepalive
+                            // lagged: it already has a task (and maybe a paid call).
+                            tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running; not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
+                            metrics::counter!("llm_worker_self_reclaims_skipped_total")
+                                .increment(1);
+                        }
+                        for d in others {
                             let Some(permit) = permits.pop() else { break };
                             self.spawn_job(&tracker, d, permit, &abort);
                         }
@@ -233,6 +278,10 @@ impl Worker {
                         continue;
                     }
                 }
+            }
+            if tokio::time::Instant::now() >= next_prune {
+                next_prune = tokio::time::Instant::now() + prune_every;
+                self.prune_consumers(prune_idle).await;
             }
             let Some(c) = conn.as_mut() else { continue };
             // Not raced against `stop`: entries Redis hands us must reach a task, or they
@@ -259,6 +308,7 @@ impl Worker {
             }
         }
         self.state.taking_jobs.store(false, Ordering::SeqCst);
+        self.reader_stopped.cancel();
         tracker.close();
         let _keeper_guard = KeeperGuard(keeper_stop, keeper);
         let mut tick = tokio::time::interval(Duration::from_secs(2));
@@ -275,21 +325,70 @@ impl Worker {
         }
     }
 
+    /// Starts a task on `d`. The entry joins `active` now (so a reclaim of it is skipped
+    /// while the task lives), and its [`JobGuard`] undoes everything on any exit.
     fn spawn_job(
         self: &Arc<Self>,
         tracker: &TaskTracker,
         d: Delivery,
-        permit: tokio::sync::OwnedSemaphorePermit,
+        permit: OwnedSemaphorePermit,
         abort: &CancellationToken,
     ) {
+        lock(&self.active).insert(d.entry_id.clone(), String::new());
+        lock(&self.permits).insert(d.entry_id.clone(), permit);
+        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
+        let guard = JobGuard {
+            worker: self.clone(),
+            entry_id: d.entry_id.clone(),
+            ended: false,
+        };
         let me = self.clone();
         let abort = abort.clone();
-        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
         tracker.spawn(async move {
+            let mut guard = guard; // moved in whole: dropped with the task, whatever ends it
             me.handle(d, abort).await;
-            me.state.in_flight.fetch_sub(1, Ordering::SeqCst);
-            drop(permit);
+            guard.ended = true;
         });
+    }
+
+    fn is_active(&self, entry_id: &str) -> bool {
+        lock(&self.active).contains_key(entry_id)
+    }
+
+    /// The reclaimer's sweep of consumers left by stopped workers (see
+    /// [`Queue::remove_consumers`]). Failures are logged only: the next sweep retries.
+    async fn prune_consumers(&self, idle: Duration) {
+        let sweep = self.queue.remove_consumers(Some(idle));
+        match tokio::time::timeout(Duration::from_secs(2), sweep).await {
+            Ok(Ok(names)) => {
+                for n in names {
+                    tracing::info!(consumer = %n, idle_ms = idle.as_millis() as u64, "removed an idle consumer with no pending job from the group");
+                    metrics::counter!("llm_worker_consumers_removed_total").increment(1);
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "consumer sweep failed; retrying later"),
+            Err(_) => tracing::debug!("consumer sweep timed out; retrying later"),
+        }
+    }
+
+    /// At a clean exit: removes this worker's consumer from the group if it owns no
+    /// pending entry (else it stays, so its entries can still be reclaimed). Bounded.
+    pub async fn remove_own_consumer(&self) {
+        let own = self.queue.remove_consumers(None);
+        match tokio::time::timeout(Duration::from_millis(1000), own).await {
+            Ok(Ok(n)) if !n.is_empty() => {
+                tracing::info!("removed this worker's consumer from the group")
+            }
+            Ok(Ok(_)) => tracing::info!(
+                "consumer kept in the group: it still owns pending jobs (another worker reclaims them)"
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not remove this worker's consumer; the reclaimer of another worker removes it later")
+            }
+            Err(_) => tracing::warn!(
+                "removing this worker's consumer timed out; the reclaimer of another worker removes it later"
+            ),
+        }
     }
 
     /// Every third of `queue.claim_idle_ms`, resets the idle time of the jobs this process
@@ -341,24 +440,105 @@ impl Worker {
         }
     }
 
-    /// Runs one job to its commit, or leaves it pending if `abort` fires first.
+    /// Runs one job to its commit. A job stopped by shutdown before its result exists
+    /// (`abort` fired, or it had not started its call when draining began) is handed back
+    /// to the fleet. Cleanup of `active`, the permit and `in_flight` is the caller's
+    /// [`JobGuard`], so it also happens on a panic.
     pub async fn handle(&self, d: Delivery, abort: CancellationToken) {
         let started = Instant::now();
         let commit = tokio::select! {
             c = self.process(&d, started) => c,
             _ = abort.cancelled() => {
-                tracing::info!(entry = %d.entry_id, "job cancelled by shutdown; left pending for another worker");
+                tracing::info!(entry = %d.entry_id, "job cancelled by shutdown; handing it back");
                 metrics::counter!("llm_worker_jobs_abandoned_total").increment(1);
-                lock(&self.active).remove(&d.entry_id);
-                return;
+                None
             }
         };
-        let Some(commit) = commit else {
-            lock(&self.active).remove(&d.entry_id);
-            return;
+        match commit {
+            Some(commit) => self.commit_until_written(&d, &commit, &abort).await,
+            None if self.draining.is_cancelled() => self.hand_back(&d).await,
+            None => {}
+        }
+    }
+
+    /// Hands an unfinished job back (see [`Queue::hand_back`]); bounded, so a Redis outage
+    /// cannot hold up the exit: the job then stays pending for `queue.claim_idle_ms`.
+    async fn hand_back(&self, d: &Delivery) {
+        let job_id = lock(&self.active)
+            .get(&d.entry_id)
+            .filter(|j| !j.is_empty())
+            .cloned();
+        // The reader ends within its BLOCK (+2 s bound) of the signal.
+        let bound = Duration::from_millis(self.cfg.queue.block_ms) + Duration::from_secs(2);
+        let _ = tokio::time::timeout(bound, self.reader_stopped.cancelled()).await;
+        let fut = self
+            .queue
+            .hand_back(&d.entry_id, job_id.as_deref(), d.deliveries);
+        match tokio::time::timeout(Duration::from_millis(1000), fut).await {
+            Ok(Ok(HandBack::Moved(new))) => {
+                tracing::info!(entry = %d.entry_id, new_entry = %new, "unfinished job handed back for another worker");
+                metrics::counter!("llm_worker_jobs_handed_back_total").increment(1);
+            }
+            Ok(Ok(HandBack::NotOurs)) => {
+                tracing::info!(entry = %d.entry_id, "unfinished job no longer ours; nothing to hand back")
+            }
+            Ok(Ok(HandBack::Deleted)) => {
+                tracing::warn!(entry = %d.entry_id, "unfinished job was deleted from the stream while pending; acknowledged");
+                metrics::counter!("llm_worker_jobs_deleted_while_pending_total").increment(1);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(entry = %d.entry_id, error = %e, "cannot hand the job back; it stays pending until another worker reclaims it (queue.claim_idle_ms)")
+            }
+            Err(_) => {
+                tracing::warn!(entry = %d.entry_id, "handing the job back timed out; it stays pending until another worker reclaims it (queue.claim_idle_ms)")
+            }
+        }
+    }
+
+    /// A copy of a job id that another entry is running: waits for that entry's result
+    /// without holding a job permit (the permit goes back on the first call; at most
+    /// `worker.concurrency` copies wait that way, later ones keep theirs), polling with a
+    /// growing delay. `false`: stop waiting and leave the copy pending — draining began, or
+    /// it waited `queue.claim_idle_ms` (it is then reclaimed later, by us or another
+    /// worker, and checked again).
+    async fn wait_for_busy_id(
+        &self,
+        entry_id: &str,
+        since: &mut Option<tokio::time::Instant>,
+    ) -> bool {
+        let first = since.is_none();
+        let since = *since.get_or_insert_with(tokio::time::Instant::now);
+        if first {
+            let waiting = lock(&self.active)
+                .len()
+                .saturating_sub(lock(&self.permits).len());
+            if waiting < self.cfg.worker.concurrency {
+                drop(lock(&self.permits).remove(entry_id));
+            }
+        }
+        if since.elapsed() >= Duration::from_millis(self.cfg.queue.claim_idle_ms) {
+            tracing::warn!(entry = %entry_id, "same job id still in flight elsewhere after queue.claim_idle_ms; leaving this copy pending");
+            return false;
+        }
+        let delay = (since.elapsed() / 4).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = self.draining.cancelled() => false,
+        }
+    }
+
+    /// A job permit for a copy that gave its permit back while waiting and may now call a
+    /// model. `false` when draining began first.
+    async fn regain_permit(&self, entry_id: &str) -> bool {
+        if lock(&self.permits).contains_key(entry_id) {
+            return true;
+        }
+        let permit = tokio::select! {
+            p = self.sem.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return false },
+            _ = self.draining.cancelled() => return false,
         };
-        self.commit_until_written(&d, &commit, &abort).await;
-        lock(&self.active).remove(&d.entry_id);
+        lock(&self.permits).insert(entry_id.to_string(), permit);
+        true
     }
 
     /// Writes a finished job's result. A paid result is never dropped because of time:
@@ -565,7 +745,7 @@ impl Worker {
         let mut bill = Bill::default();
         let job = match job::parse(
             d.payload.as_deref(),
-            &d.entry_id,
+            d.first_entry.as_deref().unwrap_or(&d.entry_id),
             self.cfg.queue.max_payload_bytes,
             &self.cfg,
         ) {
@@ -578,11 +758,19 @@ impl Worker {
             }
         };
         lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+        #[cfg(debug_assertions)]
+        debug_hooks::maybe_panic(&job.id);
         // Idempotency by id: one model call per id, however many copies are pushed.
         let mut backoff = Backoff::new();
+        let mut busy_since = None;
         loop {
             match self.queue.claim_id(&job.id, &d.entry_id).await {
-                Ok(IdClaim::Claimed) => break,
+                Ok(IdClaim::Claimed) => {
+                    if !self.regain_permit(&d.entry_id).await {
+                        return None;
+                    }
+                    break;
+                }
                 Ok(IdClaim::Done { result_id, status }) => {
                     tracing::info!(entry = %d.entry_id, job = %job.id, original = %result_id, "duplicate job id; acknowledged without a model call");
                     metrics::counter!("llm_worker_jobs_duplicate_total").increment(1);
@@ -590,7 +778,9 @@ impl Worker {
                 }
                 Ok(IdClaim::Busy { other_entry }) => {
                     tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if !self.wait_for_busy_id(&d.entry_id, &mut busy_since).await {
+                        return None;
+                    }
                 }
                 Err(e) if !e.heals() => {
                     // A marker key of the wrong type: retrying cannot help, and calling a
@@ -604,7 +794,10 @@ impl Worker {
                     if backoff.next == Duration::from_millis(100) {
                         tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying until Redis answers");
                     }
-                    backoff.sleep(&CancellationToken::new()).await;
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return None;
+                    }
                 }
             }
         }
@@ -644,16 +837,25 @@ impl Worker {
         let mut tried: Vec<String> = vec![];
         let finished = loop {
             // The local rate limit first: a fleet slot is never held while waiting on it.
+            // Draining: no provider call starts after the first signal (the job is handed
+            // back). Checked before each wait and once more with the slot in hand.
             let throttled = plan.current().provider.clone();
             if let Some(c) = self.providers.get(&throttled) {
-                c.throttle().await;
+                self.unless_draining(c.throttle()).await?;
             }
             let lease = self.take_slot(&mut plan).await?;
             let cand = plan.current().clone();
             if cand.provider != throttled
                 && let Some(c) = self.providers.get(&cand.provider)
+                && self.unless_draining(c.throttle()).await.is_none()
             {
-                c.throttle().await; // the slot fast path switched provider
+                // the slot fast path switched provider
+                release_unused(lease).await;
+                return None;
+            }
+            if self.draining.is_cancelled() {
+                release_unused(lease).await;
+                return None;
             }
             if tried.last() != Some(&cand.model) {
                 tried.push(cand.model.clone());
@@ -697,7 +899,9 @@ impl Worker {
                     let decision = plan.on_error(&class, rand::random::<f64>());
                     tracing::debug!(job = %job.id, model = %cand.model, error = %message, ?decision, "attempt failed");
                     match decision {
-                        Decision::RetryAfter(after) => tokio::time::sleep(after).await,
+                        Decision::RetryAfter(after) => {
+                            self.unless_draining(tokio::time::sleep(after)).await?
+                        }
                         Decision::Switch(_) => {
                             metrics::counter!("llm_worker_fallbacks_total").increment(1);
                         }
@@ -827,7 +1031,10 @@ impl Worker {
         let mut backoff = Backoff::new();
         loop {
             let pool = plan.current().pool.clone();
-            match self.slots.acquire(&pool, timeout).await {
+            let acquired = self
+                .unless_draining(self.slots.acquire(&pool, timeout))
+                .await?;
+            match acquired {
                 Ok(l) => return Some(l),
                 Err(SlotError::Timeout { .. }) => {
                     for i in plan.usable_alternatives() {
@@ -848,10 +1055,63 @@ impl Worker {
                     if backoff.next == Duration::from_millis(100) {
                         tracing::warn!(error = %e, pool = %pool, "cannot take a slot; retrying until Redis answers");
                     }
-                    backoff.sleep(&CancellationToken::new()).await;
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return None;
+                    }
                 }
             }
         }
+    }
+
+    /// `fut`'s output, or `None` as soon as draining begins (the wait is dropped).
+    async fn unless_draining<T>(&self, fut: impl std::future::Future<Output = T>) -> Option<T> {
+        if self.draining.is_cancelled() {
+            return None;
+        }
+        tokio::select! {
+            v = fut => Some(v),
+            _ = self.draining.cancelled() => None,
+        }
+    }
+}
+
+/// Gives back a slot taken for a call that will not start (draining began).
+async fn release_unused(lease: Lease) {
+    if let Err(e) = lease.release().await {
+        tracing::warn!(error = %e, "slot release failed; its TTL frees it");
+    }
+}
+
+/// Undoes a job task's bookkeeping on every exit, including a panic or the task being
+/// dropped: the entry leaves `active` (keepalive stops touching it, so a job whose task
+/// died is reclaimed after `queue.claim_idle_ms`), its permit is freed, `in_flight` drops.
+struct JobGuard {
+    worker: Arc<Worker>,
+    entry_id: String,
+    /// `handle` returned (false on drop: the task panicked or was dropped mid-job).
+    ended: bool,
+}
+
+impl Drop for JobGuard {
+    fn drop(&mut self) {
+        let w = &self.worker;
+        lock(&w.active).remove(&self.entry_id);
+        drop(lock(&w.permits).remove(&self.entry_id));
+        w.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if !self.ended {
+            tracing::error!(entry = %self.entry_id, "job task ended abnormally (panic); its job stays pending and is reclaimed after queue.claim_idle_ms");
+            metrics::counter!("llm_worker_job_panics_total").increment(1);
+        }
+    }
+}
+
+/// Aborts a helper task when the scope that spawned it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -962,5 +1222,26 @@ impl Backoff {
 impl Default for Backoff {
     fn default() -> Self {
         Backoff::new()
+    }
+}
+
+/// Fault injection for the integration tests, compiled into debug builds only (release
+/// binaries carry none of it). `LLM_WORKER_DEBUG_PANIC_ONCE_JOB=<job id>`: the first task
+/// of this process that reaches the idempotency check for that id panics, as a bug in
+/// the job path would.
+#[cfg(debug_assertions)]
+mod debug_hooks {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static FIRED: AtomicBool = AtomicBool::new(false);
+
+    pub(super) fn maybe_panic(job_id: &str) {
+        let Ok(target) = std::env::var("LLM_WORKER_DEBUG_PANIC_ONCE_JOB") else {
+            return;
+        };
+        if target == job_id && !FIRED.swap(true, Ordering::SeqCst) {
+            tracing::warn!(job = %job_id, "debug hook: panicking in the job task");
+            panic!("debug hook: LLM_WORKER_DEBUG_PANIC_ONCE_JOB={job_id}");
+        }
     }
 }

@@ -426,12 +426,14 @@ impl UnixRedis {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("redis-server on PATH");
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while std::os::unix::net::UnixStream::connect(&sock).is_err() {
             assert!(
-                std::time::Instant::now() < deadline,
+                tokio::time::Instant::now() < deadline,
                 "redis-server did not start"
             );
+            // A plain poll while redis-server starts: this helper is synchronous.
+            #[allow(clippy::disallowed_methods)]
             std::thread::sleep(Duration::from_millis(20));
         }
         UnixRedis { dir, child }

@@ -675,12 +675,14 @@ impl NetnsRedis {
             .spawn()
             .expect("redis-server in the namespace");
         me.child = Some(child);
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while std::net::TcpStream::connect((addr.as_str(), me.port)).is_err() {
             assert!(
-                std::time::Instant::now() < deadline,
+                tokio::time::Instant::now() < deadline,
                 "redis-server in {ns} did not start"
             );
+            // A plain poll while redis-server starts: this helper is synchronous.
+            #[allow(clippy::disallowed_methods)]
             std::thread::sleep(Duration::from_millis(20));
         }
         Some(me)

@@ -303,8 +303,9 @@ async fn rate_limit_with_retry_after_above_cap_moves_to_next_model_at_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unauthorized_skips_the_whole_provider_and_falls_back_to_another() {
-    // m1 and m2 are on provider p1, m3 on p2.
+async fn unauthorized_model_is_skipped_and_its_provider_stays_usable() {
+    // m1 and m2 are on provider p1, m3 on p2. A 401 for one model (an aggregator refusing
+    // that model to this key) skips the model, not the provider: m2 answers.
     let mut b = Bench::new(SimOptions {
         rules: vec![always("m1", Fault::Status { status: 401 })],
         ..SimOptions::default()
@@ -315,19 +316,19 @@ async fn unauthorized_skips_the_whole_provider_and_falls_back_to_another() {
     let results = b.results(1).await;
     let r = &results[&entry[0]];
     assert_eq!(r["status"], "ok", "{r:?}");
-    assert_eq!(r["model"], "m3", "{r:?}");
-    assert_eq!(r["tried"], "m1,m3", "{r:?}");
+    assert_eq!(r["model"], "m2", "{r:?}");
+    assert_eq!(r["tried"], "m1,m2", "{r:?}");
     assert_eq!(r["attempts"], "2", "{r:?}");
     let st = b.stats();
     assert_eq!(
         calls(&st, "m1", 401),
         1,
-        "no retry on p1: {:?}",
+        "no retry of m1: {:?}",
         st.requests
     );
     assert_eq!(total_calls(&st, "m1"), 1, "{:?}", st.requests);
-    assert_eq!(total_calls(&st, "m2"), 0, "m2 is on p1: {:?}", st.requests);
-    assert_eq!(calls(&st, "m3", 200), 1, "{:?}", st.requests);
+    assert_eq!(calls(&st, "m2", 200), 1, "{:?}", st.requests);
+    assert_eq!(total_calls(&st, "m3"), 0, "{:?}", st.requests);
     b.shutdown().await;
 }
 

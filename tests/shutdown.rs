@@ -1,6 +1,7 @@
 //! Clean shutdown on SIGTERM/SIGINT (issue 3), on the real binary, a real redis-server
-//! and the simulated provider: drain within the grace, cancel the rest (left pending),
-//! release every slot, exit 0; a second signal skips the grace; /ready turns 503 at once.
+//! and the simulated provider: drain the running calls within the grace, start no new
+//! call, hand every unfinished job back (issue 8, point 14/15), release every slot, exit
+//! 0; a second signal skips the grace; /ready turns 503 at once.
 
 mod common;
 
@@ -69,8 +70,9 @@ async fn signal_and_wait(
 }
 
 /// Signal `sig` while 8 jobs are taken (4 calls running, 4 waiting for a slot), each
-/// call 600 ms, grace 5 s: all 8 finish inside the grace and are written; the 4 jobs not
-/// yet taken stay in the stream, untouched.
+/// call 600 ms, grace 5 s: the 4 running calls finish inside the grace and are written;
+/// the 4 waiting jobs start no call and are handed back (new entries, nothing pending);
+/// the 4 jobs not yet taken stay in the stream, untouched.
 async fn drains_in_flight_jobs_on(sig: &str) -> anyhow::Result<()> {
     let mut bed = Setup::new(600, 8, 5000).await?;
     let mut w = bed.push_and_spawn(12).await;
@@ -83,6 +85,7 @@ async fn drains_in_flight_jobs_on(sig: &str) -> anyhow::Result<()> {
     })
     .await;
     assert!(busy, "8 jobs taken, 4 calls running\n{}", w.log());
+    let calls_at_signal: u64 = bed.sim.sim.stats().calls_per_job.values().sum();
     let (status, took) =
         signal_and_wait(&mut w, sig, Duration::from_millis(bed.grace_ms + 2000)).await;
     assert!(
@@ -94,10 +97,12 @@ async fn drains_in_flight_jobs_on(sig: &str) -> anyhow::Result<()> {
     let ids = ok_results_once(&mut bed.conn).await;
     assert_eq!(
         ids.len(),
-        8,
-        "every in-flight job's result written\n{}",
+        4,
+        "every running call's result written\n{}",
         w.log()
     );
+    let calls: u64 = bed.sim.sim.stats().calls_per_job.values().sum();
+    assert_eq!(calls, calls_at_signal, "no call started after the signal");
     assert_eq!(
         pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
         0,
@@ -105,8 +110,8 @@ async fn drains_in_flight_jobs_on(sig: &str) -> anyhow::Result<()> {
     );
     assert_eq!(
         xlen(&mut bed.conn, "{llm}:jobs").await,
-        4,
-        "no job taken after the signal"
+        8,
+        "4 jobs handed back, 4 never taken"
     );
     assert!(
         slot_keys(&mut bed.conn, "llm").await.is_empty(),
@@ -125,11 +130,10 @@ async fn sigint_behaves_as_sigterm() -> anyhow::Result<()> {
     drains_in_flight_jobs_on(libc_sig::INT).await
 }
 
-/// Calls of 5 s, grace 1 s: SIGTERM cancels them after the grace and leaves their jobs
-/// pending; a second worker then takes them over (XAUTOCLAIM) and completes them, each
-/// exactly once.
+/// Calls of 5 s, grace 1 s: SIGTERM cancels them after the grace and hands their jobs
+/// back; a second worker started later completes them, each exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_with_calls_longer_than_grace_leaves_jobs_pending_for_another_worker()
+async fn sigterm_with_calls_longer_than_grace_hands_jobs_back_for_another_worker()
 -> anyhow::Result<()> {
     let mut bed = Setup::new(5000, 4, 1000).await?;
     let mut w = bed.push_and_spawn(4).await;
@@ -159,10 +163,15 @@ async fn sigterm_with_calls_longer_than_grace_leaves_jobs_pending_for_another_wo
     );
     assert_eq!(
         pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
-        4,
-        "the unfinished jobs stay pending"
+        0,
+        "the unfinished jobs are handed back, not left pending"
     );
-    // A second worker takes the abandoned jobs over once they have been idle long enough.
+    assert_eq!(
+        xlen(&mut bed.conn, "{llm}:jobs").await,
+        4,
+        "as 4 new entries"
+    );
+    // A second worker takes the handed-back jobs as new entries.
     bed.sim.sim.set_options(SimOptions {
         latency_ms: 10,
         ..SimOptions::default()
@@ -216,9 +225,10 @@ async fn second_signal_skips_the_grace() -> anyhow::Result<()> {
     );
     assert_eq!(
         pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
-        2,
-        "the cancelled jobs stay pending"
+        0,
+        "the cancelled jobs are handed back"
     );
+    assert_eq!(xlen(&mut bed.conn, "{llm}:jobs").await, 2);
     assert_eq!(xlen(&mut bed.conn, "{llm}:results").await, 0);
     Ok(())
 }
@@ -333,9 +343,10 @@ async fn shutdown_while_waiting_for_a_slot() -> anyhow::Result<()> {
     assert!(q.is_empty(), "left the waiter queue: {q:?}");
     assert_eq!(
         pending_count(&mut conn, "{llm}:jobs", "workers").await,
-        2,
-        "the jobs stay pending"
+        0,
+        "the jobs are handed back, not left pending"
     );
+    assert_eq!(xlen(&mut conn, "{llm}:jobs").await, 2);
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
     Ok(())
 }

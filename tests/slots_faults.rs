@@ -12,7 +12,8 @@ use common::*;
 use llm_worker::sim::SimOptions;
 use llm_worker::slots::Slots;
 use redis::AsyncCommands;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 type Conn = redis::aio::MultiplexedConnection;

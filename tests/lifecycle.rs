@@ -1,0 +1,568 @@
+//! One job's lifecycle and the worker's exit (issue 8, points 3, 5, 8, 14, 15), on the real
+//! binary, a real redis-server and the simulated provider:
+//! - a panicking job task releases its entry, so the job is taken over and finished;
+//! - a worker never starts a second paid call for an entry it already runs (self-reclaim);
+//! - a copy of a busy job id waits without a job permit and is answered as a duplicate;
+//! - after SIGTERM no provider call starts (slot waiters, retry backoffs);
+//! - unfinished jobs are handed back at shutdown and another worker does them at once;
+//! - a clean exit removes the consumer; idle empty consumers are removed by the reclaimer.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::{Fault, SimOptions};
+use redis::AsyncCommands;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio::time::Instant;
+
+type Conn = redis::aio::MultiplexedConnection;
+
+/// A redis-server, the sim, and a config written to `cfg`.
+struct Bed {
+    conn: Conn,
+    cfg: PathBuf,
+    sim: SimHandle,
+    _dir: tempfile::TempDir,
+    _redis: RedisServer,
+}
+
+impl Bed {
+    async fn new(opts: SimOptions, edit: impl FnOnce(&mut TestConfig)) -> anyhow::Result<Bed> {
+        let redis = RedisServer::start();
+        let sim = SimHandle::start(opts).await;
+        let mut tc = TestConfig::new(&redis, &sim);
+        edit(&mut tc);
+        let dir = tempfile::tempdir()?;
+        let cfg = tc.write(dir.path(), "w.toml");
+        let conn = redis.conn().await;
+        Ok(Bed {
+            conn,
+            cfg,
+            sim,
+            _dir: dir,
+            _redis: redis,
+        })
+    }
+
+    fn calls(&self, job: &str) -> u64 {
+        self.sim
+            .sim
+            .stats()
+            .calls_per_job
+            .get(job)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn total_calls(&self) -> u64 {
+        self.sim.sim.stats().calls_per_job.values().sum()
+    }
+}
+
+fn latency(ms: u64) -> SimOptions {
+    SimOptions {
+        latency_ms: ms,
+        ..SimOptions::default()
+    }
+}
+
+/// Consumer name -> pending count, from XINFO CONSUMERS of group `workers`.
+async fn consumers(conn: &mut Conn) -> HashMap<String, i64> {
+    let v: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .query_async(conn)
+        .await
+        .expect("xinfo consumers");
+    v.into_iter()
+        .map(|m| {
+            let name: String = redis::from_redis_value(m["name"].clone()).expect("name");
+            let pending: i64 = redis::from_redis_value(m["pending"].clone()).expect("pending");
+            (name, pending)
+        })
+        .collect()
+}
+
+/// The delivery count of one pending entry (0 if not pending).
+async fn deliveries_of(conn: &mut Conn, entry: &str) -> u64 {
+    let v: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg(entry)
+        .arg(entry)
+        .arg(1)
+        .query_async(conn)
+        .await
+        .expect("xpending");
+    v.first().map(|p| p.3).unwrap_or(0)
+}
+
+/// Point 3: a job task that panics (debug-build hook) must not keep its entry alive: the
+/// keepalive stops touching it, it goes idle past `claim_idle_ms`, is taken over and ends
+/// `ok`, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panicking_job_task_releases_its_entry_for_takeover() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(50), |_| {}).await?;
+    push(&mut bed.conn, "llm", &[job("boom", "hi")]).await;
+    let mut w = WorkerProc::spawn(
+        &bed.cfg,
+        "w1",
+        &[
+            ("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "500"),
+            ("LLM_WORKER_DEBUG_PANIC_ONCE_JOB", "boom"),
+        ],
+    );
+    assert!(
+        wait_log(&w, "debug hook: panicking", Duration::from_secs(10)).await,
+        "the hook fired\n{}",
+        w.log()
+    );
+    let done = wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(6)).await;
+    context(done, &[&w])?;
+    let ids = ok_results_once(&mut bed.conn).await;
+    assert!(ids.contains("boom"));
+    assert_eq!(bed.calls("boom"), 1, "one paid call");
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Point 5: with a tiny `claim_idle_ms` (20 ms, below the keepalive's 50 ms floor) and a 3 s
+/// call, the keepalive cannot keep the entry's idle time under the limit, so the reader
+/// XAUTOCLAIMs its own running entry (and the id's in-progress marker lapses). It must not
+/// start a second paid call for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn self_reclaimed_entry_is_not_called_twice() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(3000), |_| {}).await?;
+    let entry = push(&mut bed.conn, "llm", &[job("solo", "hi")])
+        .await
+        .remove(0);
+    let mut w = WorkerProc::spawn(
+        &bed.cfg,
+        "w1",
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "20")],
+    );
+    assert!(
+        in_flight_at_least(&bed.sim, 1, Duration::from_secs(10)).await,
+        "the call runs\n{}",
+        w.log()
+    );
+    let reclaimed = wait_for(Duration::from_millis(2500), || {
+        let mut c = bed.conn.clone();
+        let e = entry.clone();
+        async move { deliveries_of(&mut c, &e).await >= 2 }
+    })
+    .await;
+    assert!(reclaimed, "the reader reclaimed its own entry\n{}", w.log());
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(10)).await,
+        &[&w],
+    )?;
+    let idle = wait_for(Duration::from_secs(5), || async {
+        bed.sim.sim.stats().in_flight == 0
+    })
+    .await;
+    assert!(idle, "no call left running");
+    assert_eq!(
+        bed.calls("solo"),
+        1,
+        "one paid call for one entry\n{}",
+        w.log()
+    );
+    ok_results_once(&mut bed.conn).await;
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Point 8: two entries of one id and a third job, concurrency 2, 1.5 s calls. The copy of
+/// the busy id must not hold a job permit while it waits: the third job's call runs
+/// alongside the first copy's. When the first copy ends `ok`, the copy is answered as a
+/// duplicate without a model call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_copy_waits_without_a_permit_and_ends_as_duplicate() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(1500), |tc| tc.concurrency = 2).await?;
+    push(
+        &mut bed.conn,
+        "llm",
+        &[job("dup", "hi"), job("dup", "hi"), job("other", "hi")],
+    )
+    .await;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&bed.sim, 1, Duration::from_secs(10)).await,
+        "first copy runs\n{}",
+        w.log()
+    );
+    let both = in_flight_at_least(&bed.sim, 2, Duration::from_millis(1200)).await;
+    assert!(
+        both,
+        "the third job runs while the copy waits (the copy holds no permit)\n{}",
+        w.log()
+    );
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 3, Duration::from_secs(10)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    let dups: Vec<_> = results
+        .iter()
+        .filter(|(_, r)| r["job_id"] == "dup")
+        .collect();
+    assert_eq!(dups.len(), 2, "{results:?}");
+    assert!(dups.iter().all(|(_, r)| r["status"] == "ok"), "{results:?}");
+    assert_eq!(
+        dups.iter()
+            .filter(|(_, r)| r.contains_key("duplicate_of"))
+            .count(),
+        1,
+        "the copy is answered as a duplicate: {results:?}"
+    );
+    assert_eq!(bed.calls("dup"), 1, "one model call for the id");
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Point 14: slots = 2. Two jobs sit in a Retry-After backoff (429 on m3), two calls run
+/// on m1 (2 s), two more jobs wait for a slot. SIGTERM: the provider sees no new request
+/// after the signal; the two running calls finish and are written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_provider_call_starts_after_sigterm() -> anyhow::Result<()> {
+    let opts = SimOptions {
+        model_latency_ms: HashMap::from([("m1".to_string(), 2000)]),
+        rules: vec![always(
+            "m3",
+            Fault::RateLimit {
+                retry_after: None,
+                retry_after_ms: Some(4000),
+            },
+        )],
+        ..SimOptions::default()
+    };
+    let mut bed = Bed::new(opts, |tc| {
+        tc.slots = 2;
+        tc.concurrency = 8;
+        tc.grace_ms = 8000;
+    })
+    .await?;
+    let backoff_jobs: Vec<String> = (0..2)
+        .map(|i| {
+            serde_json::json!({"id": format!("b-{i}"), "model": "m3",
+                "messages": [{"role": "user", "content": "hi"}]})
+            .to_string()
+        })
+        .collect();
+    push(&mut bed.conn, "llm", &backoff_jobs).await;
+    let mut w = WorkerProc::spawn(
+        &bed.cfg,
+        "w1",
+        &[("LLM_WORKER__RETRY__MAX_RETRY_AFTER_MS", "10000")],
+    );
+    let backing_off = wait_for(Duration::from_secs(10), || async {
+        bed.calls("b-0") == 1 && bed.calls("b-1") == 1
+    })
+    .await;
+    assert!(backing_off, "two jobs got a 429\n{}", w.log());
+    push(&mut bed.conn, "llm", &jobs("run", 4)).await;
+    let busy = wait_for(Duration::from_secs(5), || {
+        let mut c = bed.conn.clone();
+        let sim = bed.sim.sim.clone();
+        async move {
+            sim.stats().in_flight == 2 && pending_count(&mut c, "{llm}:jobs", "workers").await == 6
+        }
+    })
+    .await;
+    assert!(busy, "2 calls run, 6 jobs taken\n{}", w.log());
+    let at_signal = bed.total_calls();
+    w.signal(libc_sig::TERM);
+    let status = wait_exit(&mut w, Duration::from_secs(10)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "exit 0: {status:?}\n{}",
+        w.log()
+    );
+    assert_eq!(
+        bed.total_calls(),
+        at_signal,
+        "no provider request after the signal: {:?}\n{}",
+        bed.sim.sim.stats().calls_per_job,
+        w.log()
+    );
+    let ids = ok_results_once(&mut bed.conn).await;
+    assert_eq!(
+        ids.len(),
+        2,
+        "the two running calls finished and were written"
+    );
+    assert!(
+        slot_keys(&mut bed.conn, "llm").await.is_empty(),
+        "no slot key left"
+    );
+    Ok(())
+}
+
+/// Point 15: w1 runs 4 long calls, w2 waits for work. SIGTERM to w1 with a 500 ms grace:
+/// its 4 jobs are handed back (new entries, same fields, `_deliveries`), and w2 finishes
+/// them within 2 s of w1's exit, exactly one result each (a job without `id` keeps its
+/// first entry id as job id); w1's consumer is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_hands_unfinished_jobs_to_another_worker_within_2s() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(5000), |tc| {
+        tc.concurrency = 4;
+        tc.slots = 8;
+        tc.grace_ms = 500;
+    })
+    .await?;
+    let mut payloads = jobs("job", 3);
+    payloads.push(r#"{"messages":[{"role":"user","content":"no id"}]}"#.to_string());
+    let entry_ids = push(&mut bed.conn, "llm", &payloads).await;
+    let mut w1 = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&bed.sim, 4, Duration::from_secs(10)).await,
+        "4 calls running on w1\n{}",
+        w1.log()
+    );
+    let mut w2 = WorkerProc::spawn(&bed.cfg, "w2", &[]);
+    assert!(
+        wait_log(&w2, "worker started", Duration::from_secs(10)).await,
+        "{}",
+        w2.log()
+    );
+    bed.sim.sim.set_options(latency(100));
+    w1.signal(libc_sig::TERM);
+    let status = wait_exit(&mut w1, Duration::from_secs(3)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "w1 exit 0: {status:?}\n{}",
+        w1.log()
+    );
+    let exited = Instant::now();
+    let done = wait_len(&mut bed.conn, "{llm}:results", 4, Duration::from_secs(2)).await;
+    context(done, &[&w1, &w2])?;
+    eprintln!(
+        "handed-back jobs done by w2 {:?} after w1's exit",
+        exited.elapsed()
+    );
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 4);
+    for (_, r) in &results {
+        assert_eq!(r["worker"], "w2", "{r:?}");
+    }
+    assert!(
+        results.iter().any(|(_, r)| r["job_id"] == entry_ids[3]),
+        "the id-less job keeps its first entry id as job id: {results:?}"
+    );
+    let cs = consumers(&mut bed.conn).await;
+    assert!(!cs.contains_key("w1"), "w1 removed its consumer: {cs:?}");
+    stop_clean(&mut w2, Duration::from_secs(6)).await;
+    let cs = consumers(&mut bed.conn).await;
+    assert!(cs.is_empty(), "w2 removed its consumer too: {cs:?}");
+    assert_eq!(
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
+        0
+    );
+    Ok(())
+}
+
+/// Point 15 (hand-back format): jobs waiting for a slot at SIGTERM are handed back as new
+/// entries carrying every original field verbatim plus `_deliveries`; the old entries are
+/// acknowledged; the in-progress markers are released; nothing is left pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_back_entries_keep_every_field_and_count_the_delivery() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(10), |tc| {
+        tc.slots = 1;
+        tc.concurrency = 2;
+        tc.grace_ms = 1000;
+    })
+    .await?;
+    // Another process holds the only slot.
+    let _: () = redis::cmd("SET")
+        .arg("{llm}:slot:default:0")
+        .arg("other-host-1:0badc0de")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut bed.conn)
+        .await?;
+    let payload = job("keep", "hi");
+    let old = push_fields(
+        &mut bed.conn,
+        "llm",
+        &[("payload", payload.as_bytes()), ("trace", b"\xff\x00raw")],
+    )
+    .await;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        wait_slot_queue(&bed.conn, "w1", Duration::from_secs(10)).await,
+        "{}",
+        w.log()
+    );
+    stop_clean(&mut w, Duration::from_secs(4)).await;
+    let all = entries_raw(&mut bed.conn, "{llm}:jobs").await;
+    assert_eq!(all.len(), 1, "one entry: the hand-back ({all:?})");
+    let (new, fields) = &all[0];
+    assert_ne!(new, &old);
+    assert_eq!(fields["payload"], payload.as_bytes());
+    assert_eq!(fields["trace"], b"\xff\x00raw".to_vec());
+    assert_eq!(fields["_deliveries"], b"1".to_vec());
+    assert_eq!(
+        fields["_entry"],
+        old.as_bytes().to_vec(),
+        "the first entry id"
+    );
+    assert_eq!(
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
+        0
+    );
+    let marker: Option<String> = bed.conn.get("{llm}:inflight:keep").await?;
+    assert_eq!(marker, None, "the in-progress marker is released");
+    assert_eq!(bed.total_calls(), 0);
+    Ok(())
+}
+
+/// Point 15 (consumer removal): the reclaimer removes consumers idle longer than
+/// `queue.consumer_idle_remove_ms` that own no pending entry, and never one that does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaimer_removes_idle_empty_consumers_only() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(10), |_| {}).await?;
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut bed.conn)
+        .await?;
+    let _: i64 = redis::cmd("XGROUP")
+        .arg("CREATECONSUMER")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("ghost-empty")
+        .query_async(&mut bed.conn)
+        .await?;
+    push(&mut bed.conn, "llm", &[job("held", "hi")]).await;
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("workers")
+        .arg("ghost-busy")
+        .arg("COUNT")
+        .arg(1)
+        .arg("STREAMS")
+        .arg("{llm}:jobs")
+        .arg(">")
+        .query_async(&mut bed.conn)
+        .await?;
+    let mut w = WorkerProc::spawn(
+        &bed.cfg,
+        "w1",
+        &[("LLM_WORKER__QUEUE__CONSUMER_IDLE_REMOVE_MS", "500")],
+    );
+    let removed = wait_for(Duration::from_secs(8), || {
+        let mut c = bed.conn.clone();
+        async move { !consumers(&mut c).await.contains_key("ghost-empty") }
+    })
+    .await;
+    assert!(removed, "idle empty consumer removed\n{}", w.log());
+    // The worker's own consumer exists once it has read a job; the sweep skips it, however
+    // idle it looks (Redis 7.0 does not refresh a consumer's idle time on empty reads).
+    push(&mut bed.conn, "llm", &[job("mine", "hi")]).await;
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(10)).await,
+        &[&w],
+    )?;
+    let swept_self = wait_for(Duration::from_millis(1500), || {
+        let mut c = bed.conn.clone();
+        async move { !consumers(&mut c).await.contains_key("w1") }
+    })
+    .await;
+    let cs = consumers(&mut bed.conn).await;
+    assert!(
+        !swept_self,
+        "the sweep never removes its own worker: {cs:?}\n{}",
+        w.log()
+    );
+    assert_eq!(
+        cs.get("ghost-busy"),
+        Some(&1),
+        "a consumer with pending entries stays: {cs:?}"
+    );
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// The hand-back script on its own: it moves only an entry pending under this consumer
+/// (one owned by another consumer is left alone), releases the id's in-progress marker
+/// only if it is the entry's, and acknowledges an entry deleted while pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()> {
+    use llm_worker::queue::{HandBack, Queue, command_pool};
+    let bed = Bed::new(latency(10), |_| {}).await?;
+    let mut conn = bed.conn.clone();
+    let mut cfg = TestConfig::with_urls(&bed._redis.url(), bed.sim.addr).parsed();
+    cfg.queue.consumer = "w1".into();
+    let queue = Queue::new(&cfg, command_pool(&cfg, 4)?);
+    queue.ensure_group().await?;
+    let reader = conn.clone();
+    let read_as = |consumer: &'static str| {
+        let mut c = reader.clone();
+        async move {
+            let r: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("workers")
+                .arg(consumer)
+                .arg("COUNT")
+                .arg(1)
+                .arg("STREAMS")
+                .arg("{llm}:jobs")
+                .arg(">")
+                .query_async(&mut c)
+                .await
+                .expect("xreadgroup");
+            r.keys[0].ids[0].id.clone()
+        }
+    };
+    // Owned by another consumer: untouched.
+    push(&mut conn, "llm", &[job("theirs", "hi")]).await;
+    let theirs = read_as("other").await;
+    assert_eq!(
+        queue.hand_back(&theirs, Some("theirs"), 1).await?,
+        HandBack::NotOurs
+    );
+    assert_eq!(deliveries_of(&mut conn, &theirs).await, 1, "still pending");
+    // Ours, with a marker held by another copy of the id: moved, marker kept.
+    push(&mut conn, "llm", &[job("mine", "hi")]).await;
+    let mine = read_as("w1").await;
+    let _: () = conn.set("{llm}:inflight:mine", "9-9").await?;
+    let HandBack::Moved(new) = queue.hand_back(&mine, Some("mine"), 3).await? else {
+        panic!("not moved");
+    };
+    assert_eq!(
+        deliveries_of(&mut conn, &mine).await,
+        0,
+        "old entry acknowledged"
+    );
+    let marker: Option<String> = conn.get("{llm}:inflight:mine").await?;
+    assert_eq!(
+        marker.as_deref(),
+        Some("9-9"),
+        "another copy's marker is kept"
+    );
+    let all = entries_raw(&mut conn, "{llm}:jobs").await;
+    let moved = &all.iter().find(|(id, _)| id == &new).expect("new entry").1;
+    assert_eq!(moved["_deliveries"], b"3".to_vec());
+    assert!(
+        all.iter().all(|(id, _)| id != &mine),
+        "old entry deleted (queue.delete_acked)"
+    );
+    // Ours but deleted by the producer while pending: acknowledged, nothing re-queued.
+    let before = xlen(&mut conn, "{llm}:jobs").await;
+    let _ = read_as("w1").await; // the moved entry, now pending under w1
+    let _: i64 = conn.xdel("{llm}:jobs", &[&new]).await?;
+    assert_eq!(
+        queue.hand_back(&new, Some("mine"), 4).await?,
+        HandBack::Deleted
+    );
+    assert_eq!(deliveries_of(&mut conn, &new).await, 0);
+    assert_eq!(xlen(&mut conn, "{llm}:jobs").await, before - 1);
+    Ok(())
+}
