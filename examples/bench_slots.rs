@@ -12,8 +12,8 @@
 //! waiter task, exactly as separate worker processes would have.
 
 use llm_worker::config::Config;
+use llm_worker::connect::command_pool;
 use llm_worker::demo::TempRedis;
-use llm_worker::queue::command_pool;
 use llm_worker::slots::Slots;
 use redis::AsyncCommands;
 use std::collections::HashMap;

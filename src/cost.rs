@@ -13,29 +13,8 @@
 //! 96 bits), far outside any usage a provider can report ([`crate::provider`] rejects
 //! more than a billion tokens per response).
 
+pub use crate::outcome::Usage;
 use rust_decimal::Decimal;
-
-/// Token counts one provider response reported.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    /// Part of `prompt_tokens` served from the provider's prompt cache.
-    pub cached_tokens: u64,
-}
-
-impl Usage {
-    /// Adds token counts for reporting (result fields, totals). Saturates rather than
-    /// panicking: costs are computed per response from that response's own counts
-    /// (which fit easily), never from a sum.
-    pub fn add(&mut self, other: &Usage) {
-        self.prompt_tokens = self.prompt_tokens.saturating_add(other.prompt_tokens);
-        self.completion_tokens = self
-            .completion_tokens
-            .saturating_add(other.completion_tokens);
-        self.cached_tokens = self.cached_tokens.saturating_add(other.cached_tokens);
-    }
-}
 
 /// A model's prices in USD per million tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

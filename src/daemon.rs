@@ -7,11 +7,13 @@
 //! worker's consumer removed from the group (if it owns no pending entry), then return.
 
 use crate::config::Config;
-use crate::queue::{Queue, QueueError, command_pool};
+use crate::connect::command_pool;
+use crate::queue::{Queue, QueueError};
 use crate::server;
 use crate::shutdown::Shutdown;
 use crate::slots::{SlotError, Slots};
-use crate::worker::{Backoff, Worker, WorkerError, WorkerState};
+use crate::state::WorkerState;
+use crate::worker::{Backoff, Worker, WorkerError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +25,9 @@ pub enum DaemonError {
     Queue(#[from] QueueError),
     #[error(transparent)]
     Worker(#[from] WorkerError),
-    #[error("cannot listen on {addr}: {source} (fix server.listen)")]
+    #[error(transparent)]
+    Connect(#[from] crate::connect::ConnectError),
+    #[error("cannot listen on {addr} (fix server.listen)")]
     Listen {
         addr: String,
         source: std::io::Error,

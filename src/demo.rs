@@ -6,8 +6,9 @@
 //! shuts everything down cleanly.
 
 use crate::config::{Config, ConfigError};
+use crate::connect::connection_info;
 use crate::cost;
-use crate::queue::{Keys, connection_info};
+use crate::queue::Keys;
 use crate::shutdown::Shutdown;
 use crate::sim::{Fault, Rule, Sim, SimOptions};
 use crate::tools::{self, ResultEntry};

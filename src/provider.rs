@@ -5,8 +5,8 @@
 //! Invariant: this module never touches Redis, and never logs or formats the API key.
 
 use crate::config::{ProviderConfig, Secret};
-use crate::cost::Usage;
-use crate::router::ErrorClass;
+use crate::outcome::ErrorClass;
+use crate::outcome::Usage;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use reqwest::StatusCode;
 use serde_json::{Map, Value};

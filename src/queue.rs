@@ -13,9 +13,10 @@
 //!   result).
 
 use crate::config::Config;
+use crate::connect::ConnectError;
+use redis::Value;
 use redis::aio::MultiplexedConnection;
 use redis::streams::StreamReadReply;
-use redis::{AsyncConnectionConfig, ConnectionInfo, IntoConnectionInfo, Value};
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -26,8 +27,8 @@ pub enum QueueError {
     Redis(#[from] redis::RedisError),
     #[error("redis pool: {0} (retry when Redis answers again)")]
     Pool(#[from] deadpool_redis::PoolError),
-    #[error("redis url: {0} (fix redis.url)")]
-    Url(String),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
     #[error("redis did not answer within {0:?} (retry when Redis answers again)")]
     Timeout(Duration),
 }
@@ -57,7 +58,9 @@ impl QueueError {
             QueueError::Redis(e) => redis_error_heals(e),
             QueueError::Pool(deadpool_redis::PoolError::Backend(e)) => redis_error_heals(e),
             QueueError::Pool(_) | QueueError::Timeout(_) => true,
-            QueueError::Url(_) => false,
+            QueueError::Connect(ConnectError::Redis(e)) => redis_error_heals(e),
+            QueueError::Connect(ConnectError::Timeout(_)) => true,
+            QueueError::Connect(ConnectError::Url(_)) => false,
         }
     }
 }
@@ -95,26 +98,6 @@ impl Keys {
             prefix,
         }
     }
-    /// Slot `i` of `pool`: value = holder token, absent = free.
-    pub fn slot(&self, pool: &str, i: u32) -> String {
-        format!("{}:slot:{pool}:{i}", self.prefix)
-    }
-    /// The fleet-wide N of `pool`, recorded by the first worker that used it.
-    pub fn pool_size(&self, pool: &str) -> String {
-        format!("{}:poolsize:{pool}", self.prefix)
-    }
-    /// Processes waiting for a slot of `pool` (sorted set, FIFO by enqueue time).
-    pub fn slot_queue(&self, pool: &str) -> String {
-        format!("{}:slotq:{pool}", self.prefix)
-    }
-    /// Prefix of per-process "still waiting" keys (`<prefix><token>`, short TTL).
-    pub fn waiter_alive_prefix(&self) -> String {
-        format!("{}:slotalive:", self.prefix)
-    }
-    /// Prefix of per-process hand-off lists (`<prefix><token>`).
-    pub fn wake_prefix(&self) -> String {
-        format!("{}:slotwake:", self.prefix)
-    }
     /// Result marker of a job id (idempotency), value = `<result entry id>|<status>`.
     pub fn done(&self, job_id: &str) -> String {
         format!("{}:done:{job_id}", self.prefix)
@@ -123,73 +106,6 @@ impl Keys {
     /// extended while the job runs).
     pub fn inflight(&self, job_id: &str) -> String {
         format!("{}:inflight:{job_id}", self.prefix)
-    }
-}
-
-/// Connection info from config: `redis.url`, with the password from `redis.password_env` if set.
-pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, QueueError> {
-    let info = cfg
-        .redis
-        .url
-        .as_str()
-        .into_connection_info()
-        .map_err(|e| QueueError::Url(e.to_string()))?;
-    let info = match &cfg.redis.password {
-        Some(pw) => {
-            let settings = info.redis_settings().clone().set_password(pw.expose());
-            info.set_redis_settings(settings)
-        }
-        None => info,
-    };
-    if cfg.redis.tls_ca_file.is_empty() {
-        return Ok(info);
-    }
-    // A private CA: the TLS parameters travel inside the connection info, so every
-    // connection (pool, blocking, tools) trusts it.
-    let ca = std::fs::read(&cfg.redis.tls_ca_file).map_err(|e| {
-        QueueError::Url(format!(
-            "redis.tls_ca_file {:?}: {e}",
-            cfg.redis.tls_ca_file
-        ))
-    })?;
-    let client = redis::Client::build_with_tls(
-        info,
-        redis::TlsCertificates {
-            client_tls: None,
-            root_cert: Some(ca),
-        },
-    )?;
-    Ok(client.get_connection_info().clone())
-}
-
-/// A pool for ordinary (non-blocking) commands.
-pub fn command_pool(cfg: &Config, size: usize) -> Result<deadpool_redis::Pool, QueueError> {
-    // The manager is built from our ConnectionInfo directly (not deadpool's serialisable
-    // config), so TLS parameters (a private CA) reach every pooled connection.
-    let manager = deadpool_redis::Manager::new(connection_info(cfg)?)?;
-    let mut pool_cfg = deadpool_redis::PoolConfig::new(size.max(4));
-    pool_cfg.timeouts.wait = Some(Duration::from_secs(5));
-    pool_cfg.timeouts.create = Some(Duration::from_secs(2));
-    pool_cfg.timeouts.recycle = Some(Duration::from_secs(2));
-    deadpool_redis::Pool::builder(manager)
-        .config(pool_cfg)
-        .runtime(deadpool_redis::Runtime::Tokio1)
-        .build()
-        .map_err(|e| QueueError::Url(e.to_string()))
-}
-
-/// A connection of its own for blocking commands (XREADGROUP BLOCK, BLPOP): no response
-/// timeout (redis 1.x's default 500 ms would cut a BLOCK short), and nothing else queued
-/// behind it. Callers bound each blocking call themselves.
-pub async fn blocking_connection(cfg: &Config) -> Result<MultiplexedConnection, QueueError> {
-    let client = redis::Client::open(connection_info(cfg)?)?;
-    let conn_cfg = AsyncConnectionConfig::new()
-        .set_response_timeout(None)
-        .set_connection_timeout(Some(Duration::from_secs(2)));
-    let fut = client.get_multiplexed_async_connection_with_config(&conn_cfg);
-    match tokio::time::timeout(Duration::from_secs(3), fut).await {
-        Ok(r) => Ok(r?),
-        Err(_) => Err(QueueError::Timeout(Duration::from_secs(3))),
     }
 }
 
@@ -714,13 +630,7 @@ mod tests {
         assert_eq!(k.jobs, "{llm}:jobs");
         assert_eq!(k.results, "{llm}:results");
         assert_eq!(k.dead, "{llm}:dead");
-        assert_eq!(k.slot("default", 3), "{llm}:slot:default:3");
-        for key in [
-            k.pool_size("p"),
-            k.slot_queue("p"),
-            k.done("x"),
-            k.costs.clone(),
-        ] {
+        for key in [k.done("x"), k.inflight("x"), k.costs.clone()] {
             assert!(key.starts_with("{llm}:"), "{key}");
         }
     }

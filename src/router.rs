@@ -4,31 +4,9 @@
 //! Invariant: no IO and no clock. Randomness (jitter) is passed in as a number in [0, 1),
 //! so every decision is reproducible in a unit test.
 
+pub use crate::outcome::ErrorClass;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
-
-/// What a failed provider call tells us to do next, independent of which call it was.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ErrorClass {
-    /// 408, 409, 5xx, 529, connect error, timeout, a 200 whose body is an error or has
-    /// no choices: the same model may well answer next time.
-    Transient,
-    /// 429 rate limit, with the delay the provider asked for (if it said).
-    RateLimited { retry_after: Option<Duration> },
-    /// 429 `insufficient_quota`: the account is out of credit, so nothing on this
-    /// provider will work for now.
-    ProviderRejected,
-    /// 401 or 403. From an aggregator (HolySheep, LiteLLM, OpenRouter) this often means
-    /// only "this key may not use this model" (or one upstream key is bad) while every
-    /// other model of the provider works: skip this model. Two different models of one
-    /// provider denied is evidence that the key itself is bad: the whole provider is
-    /// excluded for this job (see [`KEY_REJECTED_AFTER`]).
-    AccessDenied,
-    /// 400 `context_length_exceeded`: only a model with a larger window can help.
-    ContextTooLong,
-    /// Any other 4xx: the request itself is wrong; resending will not help.
-    Fatal,
-}
 
 /// How many different models of one provider must answer 401/403 before the provider
 /// is excluded for the job: one denial may be about that model only, a second one about

@@ -4,7 +4,7 @@
 //! Invariant: knows no job logic; it only reads [`WorkerState`] and renders metrics.
 //! Nothing here prints configuration or environment.
 
-use crate::worker::WorkerState;
+use crate::state::WorkerState;
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;

@@ -47,7 +47,7 @@
 //!   misconfigured pod cannot overshoot the quota.
 
 use crate::config::Config;
-use crate::queue::{Keys, QueueError, blocking_connection};
+use crate::connect::{ConnectError, blocking_connection};
 use redis::aio::MultiplexedConnection;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -92,6 +92,49 @@ macro_rules! slot_script {
     };
 }
 
+/// The slot rooms' own key names, all under the queue's `{namespace}` hash tag.
+#[derive(Debug, Clone)]
+pub struct SlotKeys {
+    prefix: String,
+}
+
+impl SlotKeys {
+    pub fn new(namespace: &str) -> SlotKeys {
+        SlotKeys {
+            prefix: format!("{{{namespace}}}"),
+        }
+    }
+    /// Slot `i` of `pool`: value = holder token, absent = free.
+    pub fn slot(&self, pool: &str, i: u32) -> String {
+        format!("{}:slot:{pool}:{i}", self.prefix)
+    }
+    /// The fleet-wide N of `pool`, recorded by the first worker that used it.
+    pub fn pool_size(&self, pool: &str) -> String {
+        format!("{}:poolsize:{pool}", self.prefix)
+    }
+    /// Processes waiting for a slot of `pool` (sorted set, FIFO by enqueue time).
+    pub fn slot_queue(&self, pool: &str) -> String {
+        format!("{}:slotq:{pool}", self.prefix)
+    }
+    /// Prefix of per-process "still waiting" keys (`<prefix><token>`, short TTL).
+    pub fn waiter_alive_prefix(&self) -> String {
+        format!("{}:slotalive:", self.prefix)
+    }
+    /// Prefix of per-process hand-off lists (`<prefix><token>`).
+    pub fn wake_prefix(&self) -> String {
+        format!("{}:slotwake:", self.prefix)
+    }
+    /// `slot(pool, i)` is this prefix followed by `i`.
+    pub fn slot_prefix(&self, pool: &str) -> String {
+        format!("{}:slot:{pool}:", self.prefix)
+    }
+    /// The pool's lease clock: a hash shadowing every slot key (token, deadline, lease
+    /// length) plus the server time of the last slot script.
+    pub fn lease(&self, pool: &str) -> String {
+        format!("{}:slotlease:{pool}", self.prefix)
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum SlotError {
     #[error(
@@ -102,19 +145,12 @@ pub enum SlotError {
     UnknownPool(String),
     #[error("slots are shut down (the worker is stopping)")]
     Stopped,
+    #[error("redis: {0} (retry when Redis answers again)")]
+    Redis(#[from] redis::RedisError),
+    #[error("redis pool: {0} (retry when Redis answers again)")]
+    Pool(#[from] deadpool_redis::PoolError),
     #[error(transparent)]
-    Redis(#[from] QueueError),
-}
-
-impl From<redis::RedisError> for SlotError {
-    fn from(e: redis::RedisError) -> Self {
-        SlotError::Redis(QueueError::Redis(e))
-    }
-}
-impl From<deadpool_redis::PoolError> for SlotError {
-    fn from(e: deadpool_redis::PoolError) -> Self {
-        SlotError::Redis(QueueError::Pool(e))
-    }
+    Connect(#[from] ConnectError),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -159,7 +195,7 @@ struct Held {
 struct Inner {
     pool: deadpool_redis::Pool,
     cfg: Config,
-    keys: Keys,
+    keys: SlotKeys,
     token: String,
     ttl: Duration,
     /// Lease of a slot handed to a waiter, until it picks it up.
@@ -205,7 +241,7 @@ enum Try {
 impl Slots {
     /// Records (or reads) each pool's fleet-wide N and prepares the scripts. Needs Redis.
     pub async fn connect(cfg: &Config, pool: deadpool_redis::Pool) -> Result<Slots, SlotError> {
-        let keys = Keys::new(&cfg.queue.namespace);
+        let keys = SlotKeys::new(&cfg.queue.namespace);
         let mut pools = HashMap::new();
         {
             let mut conn = pool.get().await?;
@@ -243,9 +279,9 @@ impl Slots {
                         name: name.clone(),
                         size,
                         slot_keys: (0..size).map(|i| keys.slot(name, i)).collect(),
-                        slot_prefix: format!("{}:slot:{name}:", keys.prefix),
+                        slot_prefix: keys.slot_prefix(name),
                         queue_key: keys.slot_queue(name),
-                        lease_key: format!("{}:slotlease:{name}", keys.prefix),
+                        lease_key: keys.lease(name),
                         waiters: Mutex::new(VecDeque::new()),
                         next_check: Mutex::new(Instant::now()),
                     },
@@ -889,6 +925,27 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
         if renew_failing {
             tracing::info!("slot renewal works again");
             renew_failing = false;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_keys_share_the_hash_tag() {
+        let k = SlotKeys::new("llm");
+        assert_eq!(k.slot("default", 3), "{llm}:slot:default:3");
+        assert_eq!(k.slot_prefix("default"), "{llm}:slot:default:");
+        for key in [
+            k.pool_size("p"),
+            k.slot_queue("p"),
+            k.lease("p"),
+            k.waiter_alive_prefix(),
+            k.wake_prefix(),
+        ] {
+            assert!(key.starts_with("{llm}:"), "{key}");
         }
     }
 }

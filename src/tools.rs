@@ -4,9 +4,11 @@
 //! Invariant: nothing printed here contains a secret (URLs are redacted).
 
 use crate::config::Config;
+use crate::connect::{ConnectError, blocking_connection, connection_info};
 use crate::cost;
 use crate::job;
-use crate::queue::{Keys, QueueError, blocking_connection, connection_info};
+use crate::queue::{Keys, QueueError};
+use crate::slots::SlotKeys;
 use redis::AsyncCommands;
 use redis::streams::{StreamRangeReply, StreamReadReply};
 use serde_json::{Map, Value, json};
@@ -18,6 +20,8 @@ use std::time::Duration;
 pub enum ToolError {
     #[error(transparent)]
     Queue(#[from] QueueError),
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
     #[error("redis: {0} (is Redis running at redis.url?)")]
     Redis(#[from] redis::RedisError),
     #[error("{0}")]
@@ -323,19 +327,20 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         }
     }
     let mut pools = serde_json::Map::new();
+    let slot_keys = SlotKeys::new(&cfg.queue.namespace);
     for (name, pc) in &cfg.pools {
-        let recorded: Option<u32> = c.get(keys.pool_size(name)).await?;
+        let recorded: Option<u32> = c.get(slot_keys.pool_size(name)).await?;
         let n = recorded.unwrap_or(pc.slots);
         let mut held = vec![];
         for i in 0..n {
-            let k = keys.slot(name, i);
+            let k = slot_keys.slot(name, i);
             let holder: Option<String> = c.get(&k).await?;
             if let Some(h) = holder {
                 let ttl: i64 = c.pttl(&k).await?;
                 held.push(json!({"slot": i, "holder": h, "ttl_ms": ttl}));
             }
         }
-        let waiting: u64 = c.zcard(keys.slot_queue(name)).await.unwrap_or(0);
+        let waiting: u64 = c.zcard(slot_keys.slot_queue(name)).await.unwrap_or(0);
         pools.insert(
             name.clone(),
             json!({"slots": n, "configured": pc.slots, "held": held, "waiting_processes": waiting}),

@@ -12,17 +12,16 @@
 //! - every provider call holds a slot of its model's pool for its whole duration.
 
 use crate::config::Config;
+use crate::connect::blocking_connection;
 use crate::cost::{self, Price, Usage};
 use crate::job::{self, Job};
 use crate::provider::{self, CallError, ProviderClient};
-use crate::queue::{
-    Commit, CommitOutcome, Delivery, HandBack, IdClaim, Queue, QueueError, blocking_connection,
-};
+use crate::queue::{Commit, CommitOutcome, Delivery, HandBack, IdClaim, Queue, QueueError};
 use crate::router::{Candidate, Decision, ErrorClass, Plan, RetryPolicy};
 use crate::slots::{Lease, SlotError, Slots};
 use rust_decimal::Decimal;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -30,26 +29,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// Shared liveness/readiness facts, read by `/ready` and the drain log.
-#[derive(Debug, Default)]
-pub struct WorkerState {
-    /// The reader is taking jobs (false before start and once draining).
-    pub taking_jobs: AtomicBool,
-    /// The last Redis operation of the reader succeeded.
-    pub redis_ok: AtomicBool,
-    /// Job tasks running now.
-    pub in_flight: AtomicUsize,
-}
-
-impl WorkerState {
-    pub fn ready(&self) -> bool {
-        self.taking_jobs.load(Ordering::SeqCst) && self.redis_ok.load(Ordering::SeqCst)
-    }
-}
+use crate::state::WorkerState;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
-    #[error("provider setup: {0}")]
+    #[error(transparent)]
     Provider(#[from] provider::ProviderError),
 }
 

@@ -72,7 +72,7 @@ async fn xclaim(
 
 async fn queue_for(redis: &RedisServer, sim: &SimHandle) -> Queue {
     let cfg = TestConfig::new(redis, sim).parsed();
-    let pool = llm_worker::queue::command_pool(&cfg, 4).expect("pool");
+    let pool = llm_worker::connect::command_pool(&cfg, 4).expect("pool");
     Queue::new(&cfg, pool)
 }
 
@@ -414,7 +414,7 @@ async fn a_reply_lost_after_the_commit_counts_as_written() -> anyhow::Result<()>
     let q2 = {
         let mut cfg = TestConfig::new(&redis, &sim).parsed();
         cfg.queue.consumer = "someone-else-2".into();
-        let pool = llm_worker::queue::command_pool(&cfg, 4)?;
+        let pool = llm_worker::connect::command_pool(&cfg, 4)?;
         Queue::new(&cfg, pool)
     };
     let sup = format!("{:?}", q2.commit(&other).await?);

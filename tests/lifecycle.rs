@@ -129,10 +129,11 @@ async fn panicking_job_task_releases_its_entry_for_takeover() -> anyhow::Result<
     Ok(())
 }
 
-/// Point 5: with a tiny `claim_idle_ms` (20 ms, below the keepalive's 50 ms floor) and a 3 s
-/// call, the keepalive cannot keep the entry's idle time under the limit, so the reader
-/// XAUTOCLAIMs its own running entry (and the id's in-progress marker lapses). It must not
-/// start a second paid call for it.
+/// Point 5: the keepalive of a running entry lags (here: the test keeps setting the entry's
+/// idle time far above `claim_idle_ms`, as a keepalive failing while reclaim works would let
+/// it grow), so the reader XAUTOCLAIMs its own running entry. It must not start a second paid
+/// call for it. (A tiny `claim_idle_ms` no longer reproduces this: the fleet heartbeat then
+/// reads as a Redis stall and reclaim pauses, which is right for a real stall.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn self_reclaimed_entry_is_not_called_twice() -> anyhow::Result<()> {
     let mut bed = Bed::new(latency(3000), |_| {}).await?;
@@ -142,7 +143,7 @@ async fn self_reclaimed_entry_is_not_called_twice() -> anyhow::Result<()> {
     let mut w = WorkerProc::spawn(
         &bed.cfg,
         "w1",
-        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "20")],
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "600")],
     );
     assert!(
         in_flight_at_least(&bed.sim, 1, Duration::from_secs(10)).await,
@@ -152,7 +153,23 @@ async fn self_reclaimed_entry_is_not_called_twice() -> anyhow::Result<()> {
     let reclaimed = wait_for(Duration::from_millis(2500), || {
         let mut c = bed.conn.clone();
         let e = entry.clone();
-        async move { deliveries_of(&mut c, &e).await >= 2 }
+        async move {
+            // Idle time an hour, delivery count untouched (JUSTID): only the reader's
+            // XAUTOCLAIM raises the count.
+            let _: redis::Value = redis::cmd("XCLAIM")
+                .arg("{llm}:jobs")
+                .arg("workers")
+                .arg("w1")
+                .arg(0)
+                .arg(&e)
+                .arg("IDLE")
+                .arg(3_600_000)
+                .arg("JUSTID")
+                .query_async(&mut c)
+                .await
+                .expect("xclaim");
+            deliveries_of(&mut c, &e).await >= 2
+        }
     })
     .await;
     assert!(reclaimed, "the reader reclaimed its own entry\n{}", w.log());
@@ -495,7 +512,8 @@ async fn reclaimer_removes_idle_empty_consumers_only() -> anyhow::Result<()> {
 /// only if it is the entry's, and acknowledges an entry deleted while pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()> {
-    use llm_worker::queue::{HandBack, Queue, command_pool};
+    use llm_worker::connect::command_pool;
+    use llm_worker::queue::{HandBack, Queue};
     let bed = Bed::new(latency(10), |_| {}).await?;
     let mut conn = bed.conn.clone();
     let mut cfg = TestConfig::with_urls(&bed._redis.url(), bed.sim.addr).parsed();
