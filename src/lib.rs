@@ -9,6 +9,7 @@ pub mod outcome;
 pub mod provider;
 pub mod queue;
 pub mod router;
+pub mod scripts;
 pub mod server;
 pub mod shutdown;
 pub mod sim;

@@ -14,6 +14,7 @@
 
 use crate::config::Config;
 use crate::connect::ConnectError;
+use crate::scripts;
 use redis::Value;
 use redis::aio::MultiplexedConnection;
 use redis::streams::StreamReadReply;
@@ -260,9 +261,9 @@ impl Queue {
             results_maxlen: cfg.queue.results_maxlen,
             dedupe_ttl_s: cfg.queue.dedupe_ttl_s,
             delete_acked: cfg.queue.delete_acked,
-            commit_script: redis::Script::new(include_str!("../lua/commit.lua")),
-            claim_id_script: redis::Script::new(include_str!("../lua/claim_id.lua")),
-            keepalive_script: redis::Script::new(include_str!("../lua/keepalive.lua")),
+            commit_script: scripts::COMMIT.clone(),
+            claim_id_script: scripts::CLAIM_ID.clone(),
+            keepalive_script: scripts::KEEPALIVE.clone(),
             claim_idle_ms: cfg.queue.claim_idle_ms,
             reported_deleted: Default::default(),
         }
@@ -581,7 +582,7 @@ impl Queue {
         job_id: Option<&str>,
         deliveries: u64,
     ) -> Result<HandBack, QueueError> {
-        let script = redis::Script::new(include_str!("../lua/handback.lua"));
+        let script = &*scripts::HAND_BACK;
         let mut inv = script.prepare_invoke();
         inv.key(&self.keys.jobs)
             .key(self.keys.inflight(job_id.unwrap_or("")))
@@ -608,7 +609,7 @@ impl Queue {
         &self,
         idle: Option<Duration>,
     ) -> Result<Vec<String>, QueueError> {
-        let script = redis::Script::new(include_str!("../lua/consumers.lua"));
+        let script = &*scripts::CONSUMERS;
         let mut inv = script.prepare_invoke();
         inv.key(&self.keys.jobs)
             .arg(&self.group)

@@ -82,16 +82,6 @@ fn stall_gap(ttl: Duration) -> Duration {
     ttl / 2
 }
 
-/// Every slot script starts with the lease-clock prelude (`lua/slot_clock.lua`).
-macro_rules! slot_script {
-    ($file:literal) => {
-        redis::Script::new(concat!(
-            include_str!("../lua/slot_clock.lua"),
-            include_str!(concat!("../lua/", $file))
-        ))
-    };
-}
-
 /// The slot rooms' own key names, all under the queue's `{namespace}` hash tag.
 #[derive(Debug, Clone)]
 pub struct SlotKeys {
@@ -306,9 +296,9 @@ impl Slots {
                 driver_wake: Notify::new(),
                 next_waiter: AtomicU64::new(0),
                 stopped: AtomicBool::new(false),
-                acquire_script: slot_script!("slot_acquire.lua"),
-                release_script: slot_script!("slot_release.lua"),
-                renew_script: slot_script!("slot_renew.lua"),
+                acquire_script: crate::scripts::SLOT_ACQUIRE.clone(),
+                release_script: crate::scripts::SLOT_RELEASE.clone(),
+                renew_script: crate::scripts::SLOT_RENEW.clone(),
             }),
         })
     }

@@ -1,0 +1,44 @@
+//! Every Lua script of `lua/`, one `redis::Script` each, loaded once (`include_str!`, run
+//! with EVALSHA and loaded on NOSCRIPT). The callers (`queue`, `slots`) own what the
+//! scripts mean; this room only owns that each file is compiled in exactly once.
+//!
+//! Invariant: every key a script touches is passed in KEYS and shares the `{namespace}`
+//! hash tag, so each script also runs on Redis Cluster.
+
+use redis::Script;
+use std::sync::LazyLock;
+
+/// Result + dead letter + cost + result marker + XACK, checks before the first write.
+pub static COMMIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/commit.lua")));
+/// Idempotency by job id: done / claimed / busy.
+pub static CLAIM_ID: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/claim_id.lua")));
+/// Fleet heartbeat, stall gate, idle reset of this consumer's running entries.
+pub static KEEPALIVE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/keepalive.lua")));
+/// Shutdown hand-back of unfinished entries as new entries.
+pub static HAND_BACK: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/handback.lua")));
+/// Removal of consumers that own no pending entry.
+pub static CONSUMERS: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/consumers.lua")));
+
+/// Every slot script starts with the lease-clock prelude (`lua/slot_clock.lua`).
+macro_rules! slot_script {
+    ($file:literal) => {
+        LazyLock::new(|| {
+            Script::new(concat!(
+                include_str!("../lua/slot_clock.lua"),
+                include_str!(concat!("../lua/", $file))
+            ))
+        })
+    };
+}
+
+/// Take a free slot or queue for one.
+pub static SLOT_ACQUIRE: LazyLock<Script> = slot_script!("slot_acquire.lua");
+/// Token-checked release with hand-off to the longest waiter.
+pub static SLOT_RELEASE: LazyLock<Script> = slot_script!("slot_release.lua");
+/// Lease renewal of every slot this process holds.
+pub static SLOT_RENEW: LazyLock<Script> = slot_script!("slot_renew.lua");
