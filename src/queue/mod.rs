@@ -12,6 +12,9 @@
 //! - a commit for an entry another worker already committed writes nothing (no second
 //!   result).
 
+mod wire;
+pub use wire::{DeadLetter, ResultEntry, ResultStatus, WireError};
+
 use crate::config::Config;
 use redis::aio::MultiplexedConnection;
 use redis::streams::StreamReadReply;
@@ -344,9 +347,9 @@ impl Queue {
             results_maxlen: cfg.queue.results_maxlen,
             dedupe_ttl_s: cfg.queue.dedupe_ttl_s,
             delete_acked: cfg.queue.delete_acked,
-            commit_script: redis::Script::new(include_str!("../lua/commit.lua")),
-            claim_id_script: redis::Script::new(include_str!("../lua/claim_id.lua")),
-            keepalive_script: redis::Script::new(include_str!("../lua/keepalive.lua")),
+            commit_script: redis::Script::new(include_str!("../../lua/commit.lua")),
+            claim_id_script: redis::Script::new(include_str!("../../lua/claim_id.lua")),
+            keepalive_script: redis::Script::new(include_str!("../../lua/keepalive.lua")),
             claim_idle_ms: cfg.queue.claim_idle_ms,
             reported_deleted: Default::default(),
         }
@@ -665,7 +668,7 @@ impl Queue {
         job_id: Option<&str>,
         deliveries: u64,
     ) -> Result<HandBack, QueueError> {
-        let script = redis::Script::new(include_str!("../lua/handback.lua"));
+        let script = redis::Script::new(include_str!("../../lua/handback.lua"));
         let mut inv = script.prepare_invoke();
         inv.key(&self.keys.jobs)
             .key(self.keys.inflight(job_id.unwrap_or("")))
@@ -692,7 +695,7 @@ impl Queue {
         &self,
         idle: Option<Duration>,
     ) -> Result<Vec<String>, QueueError> {
-        let script = redis::Script::new(include_str!("../lua/consumers.lua"));
+        let script = redis::Script::new(include_str!("../../lua/consumers.lua"));
         let mut inv = script.prepare_invoke();
         inv.key(&self.keys.jobs)
             .arg(&self.group)
