@@ -8,10 +8,10 @@
 use crate::config::{Config, ConfigError};
 use crate::connect::connection_info;
 use crate::cost;
-use crate::queue::Keys;
+use crate::queue::{Keys, ResultEntry, ResultStatus};
 use crate::shutdown::Shutdown;
 use crate::sim::{Fault, Rule, Sim, SimOptions};
-use crate::tools::{self, ResultEntry};
+use crate::tools;
 use redis::AsyncCommands;
 use rust_decimal::Decimal;
 use serde_json::json;
@@ -19,7 +19,6 @@ use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::process::Stdio;
-use std::str::FromStr;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -314,50 +313,42 @@ pub async fn run(
     // Report.
     let r: redis::streams::StreamRangeReply =
         conn.xrange_all(&keys.results).await.map_err(other)?;
-    let entries: Vec<ResultEntry> = r
+    // Every result the demo's own worker wrote decodes; anything else is not ours to show.
+    let mut rows: Vec<ResultEntry> = r
         .ids
-        .into_iter()
-        .map(|e| {
-            let m = e
-                .map
-                .into_iter()
-                .map(|(k, v)| (k, redis::from_redis_value::<String>(v).unwrap_or_default()))
-                .collect();
-            (e.id, m)
-        })
+        .iter()
+        .filter_map(|e| ResultEntry::from_redis_map(&e.map).ok())
         .collect();
-    let mut rows: Vec<&ResultEntry> = entries.iter().collect();
-    rows.sort_by(|a, b| a.1.get("job_id").cmp(&b.1.get("job_id")));
+    rows.sort_by(|a, b| a.job_id.cmp(&b.job_id));
     println!();
     println!(
         "{:<10} {:<7} {:<18} {:<44} {:>6} {:>6} {:>12} {:>8}",
         "job", "status", "model", "models tried", "in", "out", "cost $", "latency"
     );
     let (mut total, mut retries, mut fallbacks, mut ok) = (Decimal::ZERO, 0u64, 0u64, 0u64);
-    for (_, f) in &rows {
-        let g = |k: &str| f.get(k).cloned().unwrap_or_default();
-        let tried = g("tried");
-        let n_tried = tried.split(',').filter(|s| !s.is_empty()).count() as u64;
-        let attempts: u64 = g("attempts").parse().unwrap_or(0);
+    for f in &rows {
+        let tried = f.tried.join(",");
+        let n_tried = f.tried.len() as u64;
+        let attempts = f.attempts;
         retries += attempts.saturating_sub(n_tried);
         fallbacks += n_tried.saturating_sub(1);
-        total += Decimal::from_str(&g("cost_usd")).unwrap_or_default();
-        if g("status") == "ok" {
+        total += f.cost_usd;
+        if f.status == ResultStatus::Ok {
             ok += 1;
         }
         println!(
             "{:<10} {:<7} {:<18} {:<44} {:>6} {:>6} {:>12} {:>6}ms",
-            g("job_id"),
-            g("status"),
-            g("model"),
+            f.job_id,
+            f.status.as_str(),
+            f.model.as_deref().unwrap_or_default(),
             format!(
                 "{tried} ({attempts} call{})",
                 if attempts == 1 { "" } else { "s" }
             ),
-            g("input_tokens"),
-            g("output_tokens"),
-            g("cost_usd"),
-            g("latency_ms")
+            f.input_tokens,
+            f.output_tokens,
+            cost::format_usd(f.cost_usd),
+            f.latency_ms
         );
     }
     let st = sim.stats();

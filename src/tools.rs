@@ -7,7 +7,7 @@ use crate::config::Config;
 use crate::connect::{ConnectError, blocking_connection, connection_info};
 use crate::cost;
 use crate::job;
-use crate::queue::{Keys, QueueError};
+use crate::queue::{Keys, QueueError, ResultEntry, ResultStatus, WireError};
 use crate::slots::SlotKeys;
 use redis::AsyncCommands;
 use redis::streams::{StreamRangeReply, StreamReadReply};
@@ -147,29 +147,18 @@ pub async fn enqueue(
     Ok(ids)
 }
 
-/// A result entry as a map of its fields.
-pub type ResultEntry = (String, BTreeMap<String, String>);
+/// A result as read back from `{ns}:results`: its entry id, and its fields decoded (or
+/// why they do not decode: an entry some other program wrote is shown, not fatal).
+pub type ResultRow = (String, Result<ResultEntry, WireError>);
 
-fn to_entry(id: redis::streams::StreamId) -> ResultEntry {
-    let fields = id
-        .map
-        .into_iter()
-        .map(|(k, v)| {
-            let s = match v {
-                redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-                redis::Value::SimpleString(s) => s,
-                redis::Value::Int(i) => i.to_string(),
-                other => format!("{other:?}"),
-            };
-            (k, s)
-        })
-        .collect();
-    (id.id, fields)
+fn to_row(id: redis::streams::StreamId) -> ResultRow {
+    let r = ResultEntry::from_redis_map(&id.map);
+    (id.id, r)
 }
 
 /// Finds the result of job `job_id`: through its dedupe marker when present, else by
 /// scanning the results stream from the newest entry.
-pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultEntry>, ToolError> {
+pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultRow>, ToolError> {
     let keys = Keys::new(&cfg.queue.namespace);
     let mut c = conn(cfg).await?;
     if let Some(marker) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
@@ -177,7 +166,7 @@ pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultEntr
         let rid = marker.split_once('|').map_or(marker.as_str(), |(r, _)| r);
         let r: StreamRangeReply = c.xrange(&keys.results, rid, rid).await?;
         if let Some(e) = r.ids.into_iter().next() {
-            return Ok(Some(to_entry(e)));
+            return Ok(Some(to_row(e)));
         }
     }
     let mut end = "+".to_string();
@@ -186,9 +175,9 @@ pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultEntr
         let n = r.ids.len();
         let last = r.ids.last().map(|e| e.id.clone());
         for e in r.ids {
-            let e = to_entry(e);
-            if e.1.get("job_id").map(String::as_str) == Some(job_id) {
-                return Ok(Some(e));
+            let row = to_row(e);
+            if matches!(&row.1, Ok(r) if r.job_id == job_id) {
+                return Ok(Some(row));
             }
         }
         match last {
@@ -198,22 +187,36 @@ pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultEntr
     }
 }
 
-pub fn print_result(e: &ResultEntry, as_json: bool, out: &mut impl Write) -> std::io::Result<()> {
+pub fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::Result<()> {
+    let r = match &e.1 {
+        Ok(r) => r,
+        Err(err) => {
+            if as_json {
+                return writeln!(
+                    out,
+                    "{}",
+                    json!({"entry": e.0, "unreadable": err.to_string()})
+                );
+            }
+            return writeln!(out, "{}  (not a readable result: {err})", e.0);
+        }
+    };
     if as_json {
+        // Every field as the stream holds it (strings), under its wire name.
         let mut o = Map::new();
         o.insert("entry".into(), json!(e.0));
-        for (k, v) in &e.1 {
-            o.insert(k.clone(), json!(v));
+        for (k, v) in r.clone().into_fields() {
+            o.insert(k.into(), json!(String::from_utf8_lossy(&v)));
         }
         return writeln!(out, "{}", Value::Object(o));
     }
-    let f = |k: &str| e.1.get(k).cloned().unwrap_or_default();
-    let detail = if f("status") == "ok" {
-        f("content")
+    let detail = if r.status == ResultStatus::Ok {
+        r.content.as_deref()
     } else {
-        f("error")
+        r.error.as_deref()
     };
     let detail: String = detail
+        .unwrap_or_default()
         .chars()
         .take(80)
         .map(|c| if c.is_control() { ' ' } else { c })
@@ -222,13 +225,13 @@ pub fn print_result(e: &ResultEntry, as_json: bool, out: &mut impl Write) -> std
         out,
         "{}  {:<20} {:<7} {:<17} in={:<5} out={:<5} ${:<12} {}ms  {}",
         e.0,
-        f("job_id"),
-        f("status"),
-        f("model"),
-        f("input_tokens"),
-        f("output_tokens"),
-        f("cost_usd"),
-        f("latency_ms"),
+        r.job_id,
+        r.status.as_str(),
+        r.model.as_deref().unwrap_or_default(),
+        r.input_tokens,
+        r.output_tokens,
+        cost::format_usd(r.cost_usd),
+        r.latency_ms,
         detail
     )
 }
@@ -260,7 +263,7 @@ pub async fn results(
     let mut last = "$".to_string();
     for e in r.ids.into_iter().rev() {
         last = e.id.clone();
-        print_result(&to_entry(e), as_json, out)?;
+        print_result(&to_row(e), as_json, out)?;
     }
     out.flush()?;
     if !follow {
@@ -276,7 +279,7 @@ pub async fn results(
         for k in r.into_iter().flat_map(|r| r.keys) {
             for e in k.ids {
                 last = e.id.clone();
-                print_result(&to_entry(e), as_json, out)?;
+                print_result(&to_row(e), as_json, out)?;
             }
         }
         out.flush()?;

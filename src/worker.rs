@@ -16,7 +16,10 @@ use crate::connect::blocking_connection;
 use crate::cost::{self, Price, Usage};
 use crate::job::{self, Job};
 use crate::provider::{self, CallError, ProviderClient};
-use crate::queue::{Commit, CommitOutcome, Delivery, HandBack, IdClaim, Queue, QueueError};
+use crate::queue::{
+    Commit, CommitOutcome, DeadLetter, Delivery, HandBack, IdClaim, Queue, QueueError, ResultEntry,
+    ResultStatus,
+};
 use crate::router::{Candidate, Decision, ErrorClass, Plan, RetryPolicy};
 use crate::slots::{Lease, SlotError, Slots};
 use rust_decimal::Decimal;
@@ -624,62 +627,52 @@ impl Worker {
     /// (a key it touches has the wrong type): status `failed`, the usage and cost of the
     /// calls made, the error; no dead letter, cost totals, or result marker.
     fn minimal_failed(&self, d: &Delivery, full: &Commit, e: &QueueError) -> Commit {
-        let keep = [
-            "job_id",
-            "job_entry",
-            "latency_ms",
-            "worker",
-            "input_tokens",
-            "output_tokens",
-            "cached_tokens",
-            "cost_usd",
-            "attempts",
-            "tried",
-            "metadata",
-        ];
-        let mut result: Vec<(&'static str, Vec<u8>)> = full
-            .result
-            .iter()
-            .filter(|(k, _)| keep.contains(k))
-            .cloned()
-            .collect();
-        result.push(("status", b"failed".to_vec()));
-        result.push((
-            "error",
-            provider::one_line(&format!(
-                "result could not be written ({}): {e}",
-                full.status
-            ))
-            .into_bytes(),
+        let error = provider::one_line(&format!(
+            "result could not be written ({}): {e}",
+            full.status
         ));
+        // `full.result` is our own encoding, so it decodes; if it ever did not, the
+        // bare result still says which entry failed and why.
+        let result = match ResultEntry::from_fields(full.result.iter().map(|(k, v)| (*k, v))) {
+            Ok(r) => r.minimal_failed(error),
+            Err(_) => {
+                let mut r = ResultEntry::new(
+                    &d.entry_id,
+                    &d.entry_id,
+                    ResultStatus::Failed,
+                    0,
+                    self.queue.consumer(),
+                );
+                r.error = Some(error);
+                r
+            }
+        };
         Commit {
             entry_id: d.entry_id.clone(),
-            result,
+            result: result.into_fields(),
             dead: vec![],
             dedupe_id: None,
             inflight_id: None,
-            status: "failed".into(),
+            status: ResultStatus::Failed.as_str().into(),
             costs: vec![],
         }
     }
 
+    /// A result of `status` for this delivery with no model call counted yet.
     fn base_result(
         &self,
         d: &Delivery,
         job_id: &str,
-        status: &str,
+        status: ResultStatus,
         started: Instant,
-    ) -> Vec<(&'static str, Vec<u8>)> {
-        vec![
-            ("job_id", job_id.as_bytes().to_vec()),
-            ("job_entry", d.entry_id.as_bytes().to_vec()),
-            ("status", status.as_bytes().to_vec()),
-            (
-                "latency_ms",
-                started.elapsed().as_millis().to_string().into_bytes(),
-            ),
-            ("worker", self.queue.consumer().as_bytes().to_vec()),
-        ]
+    ) -> ResultEntry {
+        ResultEntry::new(
+            job_id,
+            &d.entry_id,
+            status,
+            started.elapsed().as_millis() as u64,
+            self.queue.consumer(),
+        )
     }
 
     /// The commit for a job that cannot be processed: `invalid` result + dead letter.
@@ -687,39 +680,27 @@ impl Worker {
         &self,
         d: &Delivery,
         job_id: Option<&str>,
-        status: &str,
+        status: ResultStatus,
         reason: &str,
         started: Instant,
     ) -> Commit {
         let id = job_id.unwrap_or(&d.entry_id);
         let mut result = self.base_result(d, id, status, started);
-        result.extend(no_call_fields());
-        result.push(("error", reason.as_bytes().to_vec()));
-        // Dead-letter shape: the worker's fields first (job_entry, job_id if known,
-        // reason, deliveries), then every field of the original entry, name and value
-        // verbatim (so `payload` when there was one). A name that clashes with one of
-        // ours appears twice, ours first.
-        let mut dead = vec![("job_entry".to_string(), d.entry_id.as_bytes().to_vec())];
-        if let Some(j) = job_id {
-            dead.push(("job_id".into(), j.as_bytes().to_vec()));
-        }
-        dead.extend([
-            ("reason".to_string(), reason.as_bytes().to_vec()),
-            ("deliveries".into(), d.deliveries.to_string().into_bytes()),
-        ]);
-        dead.extend(d.fields.iter().cloned());
-        if d.fields.is_empty() {
-            dead.push(("payload".into(), d.payload.clone().unwrap_or_default()));
-        }
-        metrics::counter!("llm_worker_jobs_total", "status" => status.to_string()).increment(1);
+        result.error = Some(reason.to_string());
+        // Every field of the original entry, name and value verbatim (so `payload` when
+        // there was one); see `DeadLetter` for the shape.
+        let dead = DeadLetter::new(&d.entry_id, job_id, reason, d.deliveries, d.fields.clone());
+        metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
         Commit {
             entry_id: d.entry_id.clone(),
-            result,
-            dead,
+            result: result.into_fields(),
+            dead: dead.into_fields(),
             // A dead job with a known id has a result: later copies of the id are duplicates.
-            dedupe_id: job_id.filter(|_| status == "dead").map(str::to_string),
+            dedupe_id: job_id
+                .filter(|_| status == ResultStatus::Dead)
+                .map(str::to_string),
             inflight_id: job_id.map(str::to_string),
-            status: status.to_string(),
+            status: status.as_str().to_string(),
             costs: vec![],
         }
     }
@@ -738,7 +719,13 @@ impl Worker {
                 tracing::warn!(entry = %d.entry_id, reason = %e, "invalid job; dead-lettered");
                 // Keep the producer's id when it can be read, so it can find this result.
                 let id = job::salvage_id(d.payload.as_deref());
-                return Some(self.reject(d, id.as_deref(), "invalid", &e.to_string(), started));
+                return Some(self.reject(
+                    d,
+                    id.as_deref(),
+                    ResultStatus::Invalid,
+                    &e.to_string(),
+                    started,
+                ));
             }
         };
         lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
@@ -771,7 +758,13 @@ impl Worker {
                     // model without the check could pay for the id twice.
                     tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "idempotency check impossible; job failed without a model call (fix the key named)");
                     let reason = format!("idempotency check impossible, no model called: {e}");
-                    return Some(self.reject(d, Some(&job.id), "failed", &reason, started));
+                    return Some(self.reject(
+                        d,
+                        Some(&job.id),
+                        ResultStatus::Failed,
+                        &reason,
+                        started,
+                    ));
                 }
                 Err(e) => {
                     // One line per job, not per retry: the reader logs the outage itself.
@@ -793,7 +786,7 @@ impl Worker {
                 d.deliveries, self.cfg.queue.max_deliveries
             );
             tracing::error!(entry = %d.entry_id, job = %job.id, "poison job; dead-lettered");
-            return Some(self.reject(d, Some(&job.id), "dead", &reason, started));
+            return Some(self.reject(d, Some(&job.id), ResultStatus::Dead, &reason, started));
         }
         if !d.extra_fields.is_empty() {
             bill.warnings.push(format!(
@@ -814,7 +807,13 @@ impl Worker {
             })
             .collect();
         if candidates.is_empty() {
-            return Some(self.reject(d, Some(&job.id), "invalid", "no model to run on", started));
+            return Some(self.reject(
+                d,
+                Some(&job.id),
+                ResultStatus::Invalid,
+                "no model to run on",
+                started,
+            ));
         }
         let mut plan = Plan::new(candidates, self.policy);
         let mut attempts = 0u64;
@@ -911,53 +910,37 @@ impl Worker {
         started: Instant,
     ) -> Commit {
         let status = match finished {
-            Finished::Ok { .. } => "ok",
-            Finished::Failed(_) => "failed",
+            Finished::Ok { .. } => ResultStatus::Ok,
+            Finished::Failed(_) => ResultStatus::Failed,
         };
         let mut result = self.base_result(d, &job.id, status, started);
         match finished {
-            Finished::Ok { model, completion } => result.extend([
-                ("model", model.into_bytes()),
-                ("content", completion.content.into_bytes()),
-                ("finish_reason", completion.finish_reason.into_bytes()),
-            ]),
-            Finished::Failed(e) => result.push(("error", provider::one_line(&e).into_bytes())),
+            Finished::Ok { model, completion } => {
+                result.model = Some(model);
+                result.content = Some(completion.content);
+                result.finish_reason = Some(completion.finish_reason);
+            }
+            Finished::Failed(e) => result.error = Some(provider::one_line(&e)),
         }
-        result.extend([
-            (
-                "input_tokens",
-                bill.usage.prompt_tokens.to_string().into_bytes(),
-            ),
-            (
-                "output_tokens",
-                bill.usage.completion_tokens.to_string().into_bytes(),
-            ),
-            (
-                "cached_tokens",
-                bill.usage.cached_tokens.to_string().into_bytes(),
-            ),
-            ("cost_usd", cost::format_usd(bill.cost).into_bytes()),
-            ("attempts", attempts.to_string().into_bytes()),
-            ("tried", tried.join(",").into_bytes()),
-        ]);
-        if let Some(m) = &job.metadata {
-            result.push(("metadata", m.to_string().into_bytes()));
-        }
+        result.input_tokens = bill.usage.prompt_tokens;
+        result.output_tokens = bill.usage.completion_tokens;
+        result.cached_tokens = Some(bill.usage.cached_tokens);
+        result.cost_usd = bill.cost;
+        result.attempts = attempts;
+        result.tried = tried.to_vec();
+        result.metadata = job.metadata.as_ref().map(|m| m.to_string());
         if !bill.warnings.is_empty() {
-            result.push((
-                "warning",
-                provider::one_line(&bill.warnings.join("; ")).into_bytes(),
-            ));
+            result.warning = Some(provider::one_line(&bill.warnings.join("; ")));
         }
-        metrics::counter!("llm_worker_jobs_total", "status" => status).increment(1);
+        metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
         metrics::histogram!("llm_worker_job_seconds").record(started.elapsed().as_secs_f64());
         Commit {
             entry_id: d.entry_id.clone(),
-            result,
+            result: result.into_fields(),
             dead: vec![],
             dedupe_id: Some(job.id.clone()),
             inflight_id: Some(job.id.clone()),
-            status: status.to_string(),
+            status: status.as_str().to_string(),
             costs: bill.cost_fields(),
         }
     }
@@ -979,25 +962,16 @@ impl Worker {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let mut result = self.base_result(d, &job.id, status, started);
-        for (k, v) in original {
-            let k: &'static str = match k.as_str() {
-                "model" => "model",
-                "content" => "content",
-                "finish_reason" => "finish_reason",
-                "error" => "error",
-                _ => continue,
-            };
-            result.push((k, v));
-        }
-        result.extend(no_call_fields());
-        result.push(("duplicate_of", result_id.as_bytes().to_vec()));
-        if let Some(m) = &job.metadata {
-            result.push(("metadata", m.to_string().into_bytes()));
-        }
+        // The marker's status is one commit.lua wrote from ours; anything else is
+        // reported as failed rather than invented.
+        let typed = ResultStatus::parse(status).unwrap_or(ResultStatus::Failed);
+        let mut result = self.base_result(d, &job.id, typed, started);
+        result.copy_answer(original);
+        result.duplicate_of = Some(result_id.to_string());
+        result.metadata = job.metadata.as_ref().map(|m| m.to_string());
         Commit {
             entry_id: d.entry_id.clone(),
-            result,
+            result: result.into_fields(),
             dead: vec![],
             dedupe_id: None,
             inflight_id: None,
@@ -1127,17 +1101,6 @@ impl Drop for HeldBytes {
     fn drop(&mut self) {
         HELD_BYTES.fetch_sub(self.0, Ordering::SeqCst);
     }
-}
-
-/// The usage fields of a result for which no model was called: zero tokens, cost 0.
-fn no_call_fields() -> [(&'static str, Vec<u8>); 5] {
-    [
-        ("input_tokens", b"0".to_vec()),
-        ("output_tokens", b"0".to_vec()),
-        ("cost_usd", b"0".to_vec()),
-        ("attempts", b"0".to_vec()),
-        ("tried", vec![]),
-    ]
 }
 
 /// Stops the keepalive task when the reader loop's drain ends.

@@ -12,6 +12,9 @@
 //! - a commit for an entry another worker already committed writes nothing (no second
 //!   result).
 
+mod wire;
+pub use wire::{DeadLetter, ResultEntry, ResultStatus, WireError};
+
 use crate::config::Config;
 use crate::connect::ConnectError;
 use crate::scripts;
