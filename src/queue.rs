@@ -347,7 +347,7 @@ impl Queue {
             commit_script: redis::Script::new(include_str!("../lua/commit.lua")),
             claim_id_script: redis::Script::new(include_str!("../lua/claim_id.lua")),
             keepalive_script: redis::Script::new(include_str!("../lua/keepalive.lua")),
-            claim_idle_ms: cfg.queue.claim_idle_ms,
+            claim_idle_ms: u64::try_from(cfg.queue.claim_idle_ms.as_millis()).unwrap_or(u64::MAX),
             reported_deleted: Default::default(),
         }
     }

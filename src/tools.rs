@@ -325,7 +325,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
     let mut pools = serde_json::Map::new();
     for (name, pc) in &cfg.pools {
         let recorded: Option<u32> = c.get(keys.pool_size(name)).await?;
-        let n = recorded.unwrap_or(pc.slots);
+        let n = recorded.unwrap_or(pc.slots.get());
         let mut held = vec![];
         for i in 0..n {
             let k = keys.slot(name, i);

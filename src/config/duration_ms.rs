@@ -8,8 +8,8 @@
 //! Accepted: a non-negative integer, or a string of one (`"1500"`, as an environment
 //! override may arrive). Anything else is an error that serde/config attaches the key to.
 
-use serde::de::{self, Deserializer, Visitor};
 use serde::Serializer;
+use serde::de::{self, Deserializer, Visitor};
 use std::time::Duration;
 
 pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {

@@ -135,7 +135,13 @@ fn with_env_source(
 
 /// Splits serde's "unknown field `x`, expected ..." / "missing field `x`" into the full
 /// key (`parent.x`) and a message in config terms; other messages keep `parent` as key.
+///
+/// Counts that must be >= 1 are `NonZero*` fields, so serde rejects a zero with "invalid
+/// value: integer `0`, expected a nonzero u32"; that becomes "must be at least 1, got 0".
 fn key_and_message(parent: String, message: &str) -> (String, String) {
+    if message.contains("expected a nonzero") {
+        return (parent, "must be at least 1, got 0".to_string());
+    }
     let join = |field: &str| {
         if parent.is_empty() {
             field.to_string()

@@ -12,7 +12,7 @@
 //! - `redis.url` parses the way redis-rs parses it and holds no password (that moved
 //!   into `redis.password`); [`redact_url`] is the one URL redactor.
 
-// mod duration_ms;
+mod duration_ms;
 mod load;
 mod prices;
 mod schema;

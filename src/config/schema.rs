@@ -5,6 +5,8 @@ use super::prices::{opt_price, price};
 use super::secret::Secret;
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+use std::time::Duration;
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -32,27 +34,31 @@ pub struct QueueConfig {
     pub group: String,
     /// Empty = `<hostname>-<pid>` (resolved by validation).
     pub consumer: String,
-    pub claim_idle_ms: u64,
-    pub max_deliveries: u64,
+    #[serde(with = "super::duration_ms")]
+    pub claim_idle_ms: Duration,
+    pub max_deliveries: NonZeroU64,
     pub dedupe_ttl_s: u64,
     pub results_maxlen: u64,
     /// Largest accepted `payload` field, in bytes.
     pub max_payload_bytes: usize,
     /// XREADGROUP BLOCK, in ms (kept short so cancellation is noticed quickly).
-    pub block_ms: u64,
+    #[serde(with = "super::duration_ms")]
+    pub block_ms: Duration,
     /// XDEL a job entry when it is acknowledged, so `{ns}:jobs` holds only the backlog.
     pub delete_acked: bool,
     /// The reclaimer removes other consumers of the group that own no pending entry and
     /// have been idle this long (stopped pods that did not exit cleanly), in ms.
-    pub consumer_idle_remove_ms: u64,
+    #[serde(with = "super::duration_ms")]
+    pub consumer_idle_remove_ms: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerConfig {
     /// Jobs in flight in this process.
-    pub concurrency: usize,
-    pub shutdown_grace_ms: u64,
+    pub concurrency: NonZeroUsize,
+    #[serde(with = "super::duration_ms")]
+    pub shutdown_grace_ms: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -66,10 +72,12 @@ pub struct ServerConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct SlotsConfig {
     /// A slot's lease; renewed while its call runs.
-    pub ttl_ms: u64,
+    #[serde(with = "super::duration_ms")]
+    pub ttl_ms: Duration,
     /// How long one job waits for a slot of one model before looking at the other
     /// models of its route (it then waits again; it never fails for lack of a slot).
-    pub acquire_timeout_ms: u64,
+    #[serde(with = "super::duration_ms")]
+    pub acquire_timeout_ms: Duration,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -85,7 +93,7 @@ pub struct LogConfig {
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     /// N: fleet-wide concurrent calls of this pool.
-    pub slots: u32,
+    pub slots: NonZeroU32,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -97,11 +105,11 @@ pub struct ProviderConfig {
     #[serde(default)]
     pub api_key_env: String,
     /// Per-attempt timeout.
-    #[serde(default = "default_provider_timeout_ms")]
-    pub timeout_ms: u64,
+    #[serde(default = "default_provider_timeout", with = "super::duration_ms")]
+    pub timeout_ms: Duration,
     /// Local limit of this process (governor).
     #[serde(default = "default_rps")]
-    pub requests_per_second: u32,
+    pub requests_per_second: NonZeroU32,
     /// Filled by validation from `api_key_env`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
@@ -131,17 +139,20 @@ pub struct ModelConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryConfig {
-    pub max_attempts_per_model: u32,
-    pub base_delay_ms: u64,
-    pub max_delay_ms: u64,
-    pub max_retry_after_ms: u64,
+    pub max_attempts_per_model: NonZeroU32,
+    #[serde(with = "super::duration_ms")]
+    pub base_delay_ms: Duration,
+    #[serde(with = "super::duration_ms")]
+    pub max_delay_ms: Duration,
+    #[serde(with = "super::duration_ms")]
+    pub max_retry_after_ms: Duration,
 }
 
-fn default_provider_timeout_ms() -> u64 {
-    60_000
+fn default_provider_timeout() -> Duration {
+    Duration::from_millis(60_000)
 }
-fn default_rps() -> u32 {
-    50
+fn default_rps() -> NonZeroU32 {
+    NonZeroU32::new(50).expect("50 > 0")
 }
 fn default_pool() -> String {
     "default".into()
@@ -163,22 +174,22 @@ impl Default for QueueConfig {
             namespace: "llm".into(),
             group: "workers".into(),
             consumer: String::new(),
-            claim_idle_ms: 120_000,
-            max_deliveries: 5,
+            claim_idle_ms: Duration::from_millis(120_000),
+            max_deliveries: NonZeroU64::new(5).expect("5 > 0"),
             dedupe_ttl_s: 86_400,
             results_maxlen: 1_000_000,
             max_payload_bytes: 1 << 20,
-            block_ms: 1000,
+            block_ms: Duration::from_millis(1000),
             delete_acked: true,
-            consumer_idle_remove_ms: 3_600_000,
+            consumer_idle_remove_ms: Duration::from_millis(3_600_000),
         }
     }
 }
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            concurrency: 32,
-            shutdown_grace_ms: 25_000,
+            concurrency: NonZeroUsize::new(32).expect("32 > 0"),
+            shutdown_grace_ms: Duration::from_millis(25_000),
         }
     }
 }
@@ -192,8 +203,8 @@ impl Default for ServerConfig {
 impl Default for SlotsConfig {
     fn default() -> Self {
         SlotsConfig {
-            ttl_ms: 30_000,
-            acquire_timeout_ms: 10_000,
+            ttl_ms: Duration::from_millis(30_000),
+            acquire_timeout_ms: Duration::from_millis(10_000),
         }
     }
 }
@@ -208,10 +219,10 @@ impl Default for LogConfig {
 impl Default for RetryConfig {
     fn default() -> Self {
         RetryConfig {
-            max_attempts_per_model: 3,
-            base_delay_ms: 500,
-            max_delay_ms: 8000,
-            max_retry_after_ms: 60_000,
+            max_attempts_per_model: NonZeroU32::new(3).expect("3 > 0"),
+            base_delay_ms: Duration::from_millis(500),
+            max_delay_ms: Duration::from_millis(8000),
+            max_retry_after_ms: Duration::from_millis(60_000),
         }
     }
 }

@@ -45,7 +45,7 @@ fn demo_with(from: &str, to: &str) -> Result<Config, ConfigError> {
 #[test]
 fn config_default_loads_with_api_key() {
     let c = Config::from_toml_str(DEFAULT, &with_key(&[])).expect("default.toml");
-    assert_eq!(c.pools["default"].slots, 8);
+    assert_eq!(c.pools["default"].slots.get(), 8);
     let p = &c.providers["holysheep"];
     assert_eq!(p.base_url, "https://api.holysheep.ai/v1");
     assert_eq!(p.api_key.as_ref().map(Secret::expose), Some(KEY));
@@ -83,14 +83,14 @@ fn config_unused_provider_needs_no_key() {
 #[test]
 fn config_demo_loads_with_empty_env() {
     let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo.toml");
-    assert_eq!(c.pools["default"].slots, 4);
+    assert_eq!(c.pools["default"].slots.get(), 4);
     assert_eq!(c.models["deepseek-v3.2"].provider, "sim");
     assert_eq!(c.models["gpt-4.1"].provider, "sim-b");
     assert!(c.providers.values().all(|p| p.api_key.is_none()));
     assert_eq!(c.server.listen, "");
-    assert_eq!(c.worker.concurrency, 16);
-    assert_eq!(c.retry.base_delay_ms, 50);
-    assert_eq!(c.slots.acquire_timeout_ms, 2000);
+    assert_eq!(c.worker.concurrency.get(), 16);
+    assert_eq!(c.retry.base_delay_ms.as_millis(), 50);
+    assert_eq!(c.slots.acquire_timeout_ms.as_millis(), 2000);
 }
 
 #[test]
@@ -255,7 +255,7 @@ fn config_pools() {
     assert_eq!(key, "pools.default.slots");
     let e = env(&[("LLM_WORKER__POOLS__DEFAULT__SLOTS", "16")]);
     let c = Config::from_toml_str(DEMO, &e).expect("slots override");
-    assert_eq!(c.pools["default"].slots, 16);
+    assert_eq!(c.pools["default"].slots.get(), 16);
     let e = env(&[("LLM_WORKER__POOLS__DEFAULT__SLOTS", "0")]);
     let (key, message) = err_key(Config::from_toml_str(DEMO, &e));
     assert_eq!(key, "pools.default.slots");
@@ -277,7 +277,7 @@ fn config_env_overrides_scalars() {
     let c = Config::from_toml_str(DEMO, &e).expect("overrides");
     assert_eq!(c.redis.url, "redis://10.0.0.5:6379");
     assert_eq!(c.queue.namespace, "jobs2");
-    assert_eq!(c.worker.concurrency, 4);
+    assert_eq!(c.worker.concurrency.get(), 4);
 }
 
 #[test]
@@ -568,4 +568,92 @@ fn config_load_file_and_missing_file() {
         Config::load(&path, &env(&[])),
         Err(ConfigError::File { .. })
     ));
+}
+
+#[test]
+fn config_duration_ms_round_trip() {
+    use std::time::Duration;
+    let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo");
+    assert_eq!(c.slots.ttl_ms, Duration::from_millis(10_000));
+    assert_eq!(c.retry.base_delay_ms, Duration::from_millis(50));
+    let text = c.redacted_toml();
+    // check-config shows the same key names with plain millisecond numbers.
+    assert!(text.contains("ttl_ms = 10000\n"), "{text}");
+    assert!(text.contains("base_delay_ms = 50\n"), "{text}");
+    assert!(text.contains("claim_idle_ms = "), "{text}");
+    let back = Config::from_toml_str(&text, &env(&[])).expect("round trip");
+    assert_eq!(back.slots.ttl_ms, c.slots.ttl_ms);
+    assert_eq!(back.queue.claim_idle_ms, c.queue.claim_idle_ms);
+    assert_eq!(
+        back.providers["sim"].timeout_ms,
+        c.providers["sim"].timeout_ms
+    );
+    assert_eq!(back.worker.shutdown_grace_ms, c.worker.shutdown_grace_ms);
+}
+
+#[test]
+fn config_duration_ms_env_override_as_string() {
+    use std::time::Duration;
+    let e = env(&[
+        ("LLM_WORKER__SLOTS__TTL_MS", "1500"),
+        ("LLM_WORKER__PROVIDERS__SIM__TIMEOUT_MS", "2500"),
+    ]);
+    let c = Config::from_toml_str(DEMO, &e).expect("override");
+    assert_eq!(c.slots.ttl_ms, Duration::from_millis(1500));
+    assert_eq!(c.providers["sim"].timeout_ms, Duration::from_millis(2500));
+    // A quoted number in the file is accepted too.
+    let c = demo_with("ttl_ms = 10000", "ttl_ms = \"1500\"").expect("string ms");
+    assert_eq!(c.slots.ttl_ms, Duration::from_millis(1500));
+}
+
+#[test]
+fn config_duration_ms_bad_value_names_key() {
+    for bad in ["-5", "soon", "1.5s"] {
+        let e = env(&[("LLM_WORKER__SLOTS__TTL_MS", bad)]);
+        let (key, message) = err_key(Config::from_toml_str(DEMO, &e));
+        assert_eq!(key, "slots.ttl_ms", "{bad}: {message}");
+        assert!(
+            message.ends_with("(set by LLM_WORKER__SLOTS__TTL_MS)"),
+            "{bad}: {message}"
+        );
+    }
+    let (key, message) = err_key(demo_with("ttl_ms = 10000", "ttl_ms = -5"));
+    assert_eq!(key, "slots.ttl_ms");
+    assert!(message.contains("milliseconds"), "{message}");
+    let (key, _) = err_key(demo_with("block_ms = 1000", "block_ms = \"x\""));
+    assert_eq!(key, "queue.block_ms");
+}
+
+#[test]
+fn config_zero_counts_name_key() {
+    let cases: &[(&str, &str, &str)] = &[
+        ("slots = 4", "slots = 0", "pools.default.slots"),
+        ("concurrency = 16", "concurrency = 0", "worker.concurrency"),
+        (
+            "max_deliveries = 5",
+            "max_deliveries = 0",
+            "queue.max_deliveries",
+        ),
+    ];
+    for (from, to, want) in cases {
+        let (key, message) = err_key(demo_with(from, to));
+        assert_eq!(&key, want, "{from} -> {to}");
+        assert!(message.contains("at least 1"), "{key}: {message}");
+    }
+    for (var, want) in [
+        (
+            "LLM_WORKER__RETRY__MAX_ATTEMPTS_PER_MODEL",
+            "retry.max_attempts_per_model",
+        ),
+        (
+            "LLM_WORKER__PROVIDERS__SIM__REQUESTS_PER_SECOND",
+            "providers.sim.requests_per_second",
+        ),
+        ("LLM_WORKER__WORKER__CONCURRENCY", "worker.concurrency"),
+    ] {
+        let (key, message) = err_key(Config::from_toml_str(DEMO, &env(&[(var, "0")])));
+        assert_eq!(key, want, "{message}");
+        assert!(message.contains("at least 1"), "{key}: {message}");
+        assert!(message.ends_with(&format!("(set by {var})")), "{message}");
+    }
 }

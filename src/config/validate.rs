@@ -103,17 +103,12 @@ impl Config {
         )?;
         require(!q.group.is_empty(), "queue.group", "must not be empty")?;
         require(
-            q.consumer_idle_remove_ms > 0,
+            !q.consumer_idle_remove_ms.is_zero(),
             "queue.consumer_idle_remove_ms",
             "must be greater than 0",
         )?;
         require(
-            q.max_deliveries >= 1,
-            "queue.max_deliveries",
-            "must be at least 1",
-        )?;
-        require(
-            q.claim_idle_ms > 0,
+            !q.claim_idle_ms.is_zero(),
             "queue.claim_idle_ms",
             "must be greater than 0",
         )?;
@@ -133,9 +128,12 @@ impl Config {
             "must be greater than 0",
         )?;
         require(
-            (1..=10_000).contains(&q.block_ms),
+            (1..=10_000).contains(&q.block_ms.as_millis()),
             "queue.block_ms",
-            format!("must be between 1 and 10000, got {}", q.block_ms),
+            format!(
+                "must be between 1 and 10000, got {}",
+                q.block_ms.as_millis()
+            ),
         )?;
         if q.consumer.is_empty() {
             q.consumer = default_consumer(env);
@@ -144,34 +142,28 @@ impl Config {
     }
 
     fn validate_process(&self) -> Result<(), ConfigError> {
-        require(
-            self.worker.concurrency >= 1,
-            "worker.concurrency",
-            "must be at least 1",
-        )?;
         // Short TTLs are allowed (tests use 1-2 s), but below 100 ms renewals could not keep up.
         require(
-            self.slots.ttl_ms >= 100,
+            self.slots.ttl_ms >= std::time::Duration::from_millis(100),
             "slots.ttl_ms",
-            format!("must be at least 100, got {}", self.slots.ttl_ms),
+            format!(
+                "must be at least 100, got {}",
+                self.slots.ttl_ms.as_millis()
+            ),
         )?;
         require(
-            self.slots.acquire_timeout_ms > 0,
+            !self.slots.acquire_timeout_ms.is_zero(),
             "slots.acquire_timeout_ms",
             "must be greater than 0",
         )?;
         let r = &self.retry;
         require(
-            r.max_attempts_per_model >= 1,
-            "retry.max_attempts_per_model",
-            "must be at least 1",
-        )?;
-        require(
             r.base_delay_ms <= r.max_delay_ms,
             "retry.base_delay_ms",
             format!(
                 "must not exceed retry.max_delay_ms ({} > {})",
-                r.base_delay_ms, r.max_delay_ms
+                r.base_delay_ms.as_millis(),
+                r.max_delay_ms.as_millis()
             ),
         )?;
         require(
@@ -205,13 +197,6 @@ impl Config {
             "pools",
             "at least one pool is required, e.g. [pools.default] slots = 8",
         )?;
-        for (name, pool) in &self.pools {
-            require(
-                pool.slots > 0,
-                &format!("pools.{name}.slots"),
-                "must be at least 1",
-            )?;
-        }
         for (name, p) in &self.providers {
             require(
                 p.base_url.starts_with("http://") || p.base_url.starts_with("https://"),
@@ -219,13 +204,8 @@ impl Config {
                 format!("must start with http:// or https://, got {:?}", p.base_url),
             )?;
             require(
-                p.timeout_ms > 0,
+                !p.timeout_ms.is_zero(),
                 &format!("providers.{name}.timeout_ms"),
-                "must be greater than 0",
-            )?;
-            require(
-                p.requests_per_second > 0,
-                &format!("providers.{name}.requests_per_second"),
                 "must be greater than 0",
             )?;
         }
