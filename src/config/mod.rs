@@ -34,18 +34,27 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// Where Redis is and how to authenticate.
     pub redis: RedisConfig,
+    /// Stream names, consumer group and the reclaim / dead-letter rules.
     pub queue: QueueConfig,
+    /// This process: jobs in flight, shutdown grace.
     pub worker: WorkerConfig,
+    /// HTTP endpoint for health, readiness and metrics.
     pub server: ServerConfig,
+    /// Fleet-wide slot leases.
     pub slots: SlotsConfig,
+    /// Log format and filter.
     pub log: LogConfig,
     /// Concurrency pools by name; every model belongs to one.
     pub pools: BTreeMap<String, PoolConfig>,
+    /// OpenAI-compatible endpoints by name.
     pub providers: BTreeMap<String, ProviderConfig>,
+    /// Models by the name jobs use: provider, pool, prices.
     pub models: BTreeMap<String, ModelConfig>,
     /// Named fallback chains: route name -> model names in order of preference.
     pub routes: BTreeMap<String, Vec<String>>,
+    /// Retry and backoff policy per model.
     pub retry: RetryConfig,
 }
 

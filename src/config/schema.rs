@@ -30,14 +30,21 @@ pub struct RedisConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct QueueConfig {
+    /// Hash tag of every key (`{ns}:jobs`, `{ns}:results`, ...): one Cluster slot.
     pub namespace: String,
+    /// Consumer group shared by the fleet on `{ns}:jobs`.
     pub group: String,
     /// Empty = `<hostname>-<pid>` (resolved by validation).
     pub consumer: String,
+    /// A pending entry idle this long (its worker stopped refreshing it) is taken over
+    /// by another worker.
     #[serde(with = "super::duration_ms")]
     pub claim_idle_ms: Duration,
+    /// Deliveries after which a job is dead-lettered instead of run again (>= 1).
     pub max_deliveries: NonZeroU64,
+    /// How long a result marker keeps a job id from running again, in seconds.
     pub dedupe_ttl_s: u64,
+    /// Approximate MAXLEN of `{ns}:results`.
     pub results_maxlen: u64,
     /// Largest accepted `payload` field, in bytes.
     pub max_payload_bytes: usize,
@@ -57,6 +64,8 @@ pub struct QueueConfig {
 pub struct WorkerConfig {
     /// Jobs in flight in this process.
     pub concurrency: NonZeroUsize,
+    /// After the first signal, running calls get this long before they are cancelled
+    /// (and their jobs handed back).
     #[serde(with = "super::duration_ms")]
     pub shutdown_grace_ms: Duration,
 }
@@ -118,7 +127,9 @@ pub struct ProviderConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
+    /// Key of the `[providers.*]` table this model is called through.
     pub provider: String,
+    /// Key of the `[pools.*]` table whose slots bound this model's concurrent calls.
     #[serde(default = "default_pool")]
     pub pool: String,
     /// The model id sent to the provider; empty = the table key.
@@ -133,17 +144,22 @@ pub struct ModelConfig {
     /// USD per million cached input tokens; absent = cached tokens cost `input_per_mtok`.
     #[serde(default, with = "opt_price", skip_serializing_if = "Option::is_none")]
     pub cached_input_per_mtok: Option<Decimal>,
+    /// Largest prompt plus completion, in tokens, the model accepts (> 0).
     pub context_window: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryConfig {
+    /// Attempts on one model before the route moves to its next model (>= 1).
     pub max_attempts_per_model: NonZeroU32,
+    /// First backoff delay; doubled per attempt with jitter.
     #[serde(with = "super::duration_ms")]
     pub base_delay_ms: Duration,
+    /// Cap of the backoff delay.
     #[serde(with = "super::duration_ms")]
     pub max_delay_ms: Duration,
+    /// Longest provider `Retry-After` honoured on the same model; longer moves on.
     #[serde(with = "super::duration_ms")]
     pub max_retry_after_ms: Duration,
 }
