@@ -45,7 +45,7 @@ pub async fn run(
     state_out: Option<tokio::sync::oneshot::Sender<Arc<WorkerState>>>,
 ) -> Result<(), DaemonError> {
     let cfg = Arc::new(cfg);
-    let pool = command_pool(&cfg, cfg.worker.concurrency + 8)?;
+    let pool = command_pool(&cfg, cfg.worker.concurrency.get() + 8)?;
     let queue = Queue::new(&cfg, pool.clone());
     let background = CancellationToken::new();
 

@@ -268,7 +268,7 @@ pub async fn run(
         .get_multiplexed_async_connection()
         .await
         .map_err(other)?;
-    let pool_n = cfg.pools.values().map(|p| p.slots).sum::<u32>();
+    let pool_n = cfg.pools.values().map(|p| p.slots.get()).sum::<u32>();
     let deadline = started + Duration::from_secs(args.timeout_s);
     let mut done: u64 = 0;
     let tty = std::io::stdout().is_terminal();
@@ -297,9 +297,9 @@ pub async fn run(
     if tty {
         println!();
     }
-    shutdown.begin(Duration::from_millis(cfg.worker.shutdown_grace_ms));
+    shutdown.begin(cfg.worker.shutdown_grace_ms);
     match tokio::time::timeout(
-        Duration::from_millis(cfg.worker.shutdown_grace_ms + 3000),
+        cfg.worker.shutdown_grace_ms + Duration::from_secs(3),
         worker,
     )
     .await

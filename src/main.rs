@@ -183,7 +183,7 @@ async fn real_main(
             }
             let shutdown = Shutdown::new();
             shutdown
-                .listen_for_signals(Duration::from_millis(cfg.worker.shutdown_grace_ms))
+                .listen_for_signals(cfg.worker.shutdown_grace_ms)
                 .context("installing signal handlers")?;
             daemon::run(cfg, shutdown, listener, Some(prom), None).await?;
             Ok(ExitCode::SUCCESS)

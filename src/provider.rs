@@ -10,7 +10,6 @@ use crate::outcome::Usage;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use reqwest::StatusCode;
 use serde_json::{Map, Value};
-use std::num::NonZeroU32;
 use std::time::{Duration, SystemTime};
 
 /// Header carrying the job id, so a provider-side log (or the simulated provider) can
@@ -63,15 +62,15 @@ pub struct ProviderClient {
 impl ProviderClient {
     pub fn new(name: &str, cfg: &ProviderConfig) -> Result<ProviderClient, ProviderError> {
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_millis(cfg.timeout_ms))
-            .connect_timeout(Duration::from_millis(cfg.timeout_ms.min(10_000)))
+            .timeout(cfg.timeout_ms)
+            .connect_timeout(cfg.timeout_ms.min(Duration::from_secs(10)))
             .pool_max_idle_per_host(256)
             .build()
             .map_err(|source| ProviderError::Client {
                 name: name.to_string(),
                 source,
             })?;
-        let rps = NonZeroU32::new(cfg.requests_per_second).unwrap_or(NonZeroU32::MIN);
+        let rps = cfg.requests_per_second;
         Ok(ProviderClient {
             name: name.to_string(),
             http,

@@ -249,9 +249,9 @@ impl Slots {
                     .await?;
                 let size = match recorded {
                     Some(n) if n > 0 => n,
-                    _ => pc.slots,
+                    _ => pc.slots.get(),
                 };
-                if size != pc.slots {
+                if size != pc.slots.get() {
                     tracing::error!(
                         pool = %name,
                         configured = pc.slots,
@@ -289,8 +289,8 @@ impl Slots {
                 cfg: cfg.clone(),
                 keys,
                 token,
-                ttl: Duration::from_millis(cfg.slots.ttl_ms),
-                handoff: HANDOFF_LEASE.min(Duration::from_millis(cfg.slots.ttl_ms)),
+                ttl: cfg.slots.ttl_ms,
+                handoff: HANDOFF_LEASE.min(cfg.slots.ttl_ms),
                 pools,
                 held: Mutex::new(HashMap::new()),
                 driver_wake: Notify::new(),

@@ -333,7 +333,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
     let slot_keys = SlotKeys::new(&cfg.queue.namespace);
     for (name, pc) in &cfg.pools {
         let recorded: Option<u32> = c.get(slot_keys.pool_size(name)).await?;
-        let n = recorded.unwrap_or(pc.slots);
+        let n = recorded.unwrap_or(pc.slots.get());
         let mut held = vec![];
         for i in 0..n {
             let k = slot_keys.slot(name, i);

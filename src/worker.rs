@@ -130,7 +130,7 @@ enum Finished {
 
 impl Worker {
     pub fn new(cfg: Arc<Config>, queue: Queue, slots: Slots) -> Result<Worker, WorkerError> {
-        let cfg_concurrency = cfg.worker.concurrency;
+        let cfg_concurrency = cfg.worker.concurrency.get();
         let mut providers = HashMap::new();
         for (name, p) in &cfg.providers {
             providers.insert(name.clone(), Arc::new(ProviderClient::new(name, p)?));
@@ -150,10 +150,10 @@ impl Worker {
             })
             .collect();
         let policy = RetryPolicy {
-            max_attempts_per_model: cfg.retry.max_attempts_per_model,
-            base_delay: Duration::from_millis(cfg.retry.base_delay_ms),
-            max_delay: Duration::from_millis(cfg.retry.max_delay_ms),
-            max_retry_after: Duration::from_millis(cfg.retry.max_retry_after_ms),
+            max_attempts_per_model: cfg.retry.max_attempts_per_model.get(),
+            base_delay: cfg.retry.base_delay_ms,
+            max_delay: cfg.retry.max_delay_ms,
+            max_retry_after: cfg.retry.max_retry_after_ms,
         };
         Ok(Worker {
             cfg,
@@ -185,14 +185,14 @@ impl Worker {
             draining.cancel();
         });
         let _mirror_guard = AbortOnDrop(mirror);
-        let prune_idle = Duration::from_millis(self.cfg.queue.consumer_idle_remove_ms);
+        let prune_idle = self.cfg.queue.consumer_idle_remove_ms;
         let prune_every =
             (prune_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(60));
         let mut next_prune = tokio::time::Instant::now();
-        let block = Duration::from_millis(self.cfg.queue.block_ms);
+        let block = self.cfg.queue.block_ms;
         let mut conn = None;
         let mut backoff = Backoff::new();
-        let claim_idle = Duration::from_millis(self.cfg.queue.claim_idle_ms);
+        let claim_idle = self.cfg.queue.claim_idle_ms;
         let reclaim_every =
             (claim_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
         let mut next_reclaim = Instant::now();
@@ -382,8 +382,7 @@ impl Worker {
     /// is working on, so a call that legitimately runs long is not taken over (and paid
     /// for a second time) by another worker.
     async fn keep_alive(self: Arc<Self>, stop: CancellationToken) {
-        let period = (Duration::from_millis(self.cfg.queue.claim_idle_ms) / 3)
-            .max(Duration::from_millis(50));
+        let period = (self.cfg.queue.claim_idle_ms / 3).max(Duration::from_millis(50));
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -456,7 +455,7 @@ impl Worker {
             .filter(|j| !j.is_empty())
             .cloned();
         // The reader ends within its BLOCK (+2 s bound) of the signal.
-        let bound = Duration::from_millis(self.cfg.queue.block_ms) + Duration::from_secs(2);
+        let bound = self.cfg.queue.block_ms + Duration::from_secs(2);
         let _ = tokio::time::timeout(bound, self.reader_stopped.cancelled()).await;
         let fut = self
             .queue
@@ -499,11 +498,11 @@ impl Worker {
             let waiting = lock(&self.active)
                 .len()
                 .saturating_sub(lock(&self.permits).len());
-            if waiting < self.cfg.worker.concurrency {
+            if waiting < self.cfg.worker.concurrency.get() {
                 drop(lock(&self.permits).remove(entry_id));
             }
         }
-        if since.elapsed() >= Duration::from_millis(self.cfg.queue.claim_idle_ms) {
+        if since.elapsed() >= self.cfg.queue.claim_idle_ms {
             tracing::warn!(entry = %entry_id, "same job id still in flight elsewhere after queue.claim_idle_ms; leaving this copy pending");
             return false;
         }
@@ -780,7 +779,7 @@ impl Worker {
         }
         // The poison check after the id check: a copy of an id that already has a result
         // is a duplicate (pointing at that result), never a `dead` that would hide it.
-        if d.deliveries > self.cfg.queue.max_deliveries {
+        if d.deliveries > self.cfg.queue.max_deliveries.get() {
             let reason = format!(
                 "delivered {} times (queue.max_deliveries = {}): every worker that took it stopped before finishing",
                 d.deliveries, self.cfg.queue.max_deliveries
@@ -985,7 +984,7 @@ impl Worker {
     /// instead, else it waits again. It never fails for lack of a slot alone; `None` only
     /// when the slots are stopped (shutdown): the job is then left pending.
     async fn take_slot(&self, plan: &mut Plan) -> Option<Lease> {
-        let timeout = Duration::from_millis(self.cfg.slots.acquire_timeout_ms);
+        let timeout = self.cfg.slots.acquire_timeout_ms;
         let mut backoff = Backoff::new();
         loop {
             let pool = plan.current().pool.clone();

@@ -267,7 +267,7 @@ impl Queue {
             commit_script: scripts::COMMIT.clone(),
             claim_id_script: scripts::CLAIM_ID.clone(),
             keepalive_script: scripts::KEEPALIVE.clone(),
-            claim_idle_ms: cfg.queue.claim_idle_ms,
+            claim_idle_ms: u64::try_from(cfg.queue.claim_idle_ms.as_millis()).unwrap_or(u64::MAX),
             reported_deleted: Default::default(),
         }
     }

@@ -1,0 +1,244 @@
+//! The configuration schema: one struct per TOML table. Every field is documented; the
+//! `_ms` keys are read and written as milliseconds but held as [`Duration`]s.
+
+use super::prices::{opt_price, price};
+use super::secret::Secret;
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedisConfig {
+    /// `redis://`, `rediss://` (TLS), `unix://` or `redis+unix://`, parsed at load the way
+    /// redis-rs parses it. Validation moves a password in it (`user:PASSWORD@`,
+    /// `?pass=PASSWORD`) into `password` and leaves the URL without it, so printing
+    /// `redis.url` can never show a password.
+    pub url: String,
+    /// Environment variable holding the Redis password (used when set and non-empty).
+    pub password_env: String,
+    /// PEM file of the CA that signed the server's certificate, for `rediss://` with a
+    /// private CA. Empty = the public web roots.
+    pub tls_ca_file: String,
+    /// Filled by validation: from `password_env` when that variable is set and
+    /// non-empty, else the password that was in `url`.
+    #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub password: Option<Secret>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// Hash tag of every key (`{ns}:jobs`, `{ns}:results`, ...): one Cluster slot.
+    pub namespace: String,
+    /// Consumer group shared by the fleet on `{ns}:jobs`.
+    pub group: String,
+    /// Empty = `<hostname>-<pid>` (resolved by validation).
+    pub consumer: String,
+    /// A pending entry idle this long (its worker stopped refreshing it) is taken over
+    /// by another worker.
+    #[serde(with = "super::duration_ms")]
+    pub claim_idle_ms: Duration,
+    /// Deliveries after which a job is dead-lettered instead of run again (>= 1).
+    pub max_deliveries: NonZeroU64,
+    /// How long a result marker keeps a job id from running again, in seconds.
+    pub dedupe_ttl_s: u64,
+    /// Approximate MAXLEN of `{ns}:results`.
+    pub results_maxlen: u64,
+    /// Largest accepted `payload` field, in bytes.
+    pub max_payload_bytes: usize,
+    /// XREADGROUP BLOCK, in ms (kept short so cancellation is noticed quickly).
+    #[serde(with = "super::duration_ms")]
+    pub block_ms: Duration,
+    /// XDEL a job entry when it is acknowledged, so `{ns}:jobs` holds only the backlog.
+    pub delete_acked: bool,
+    /// The reclaimer removes other consumers of the group that own no pending entry and
+    /// have been idle this long (stopped pods that did not exit cleanly), in ms.
+    #[serde(with = "super::duration_ms")]
+    pub consumer_idle_remove_ms: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Jobs in flight in this process.
+    pub concurrency: NonZeroUsize,
+    /// After the first signal, running calls get this long before they are cancelled
+    /// (and their jobs handed back).
+    #[serde(with = "super::duration_ms")]
+    pub shutdown_grace_ms: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// `host:port` for /health, /ready, /metrics. Empty = no HTTP server.
+    pub listen: String,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SlotsConfig {
+    /// A slot's lease; renewed while its call runs.
+    #[serde(with = "super::duration_ms")]
+    pub ttl_ms: Duration,
+    /// How long one job waits for a slot of one model before looking at the other
+    /// models of its route (it then waits again; it never fails for lack of a slot).
+    #[serde(with = "super::duration_ms")]
+    pub acquire_timeout_ms: Duration,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    pub format: String,
+    /// tracing EnvFilter directive; `RUST_LOG` overrides it.
+    pub level: String,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// N: fleet-wide concurrent calls of this pool.
+    pub slots: NonZeroU32,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderConfig {
+    /// e.g. `https://api.holysheep.ai/v1`; requests go to `{base_url}/chat/completions`.
+    pub base_url: String,
+    /// Environment variable holding the API key. Empty = no key (local servers).
+    #[serde(default)]
+    pub api_key_env: String,
+    /// Per-attempt timeout.
+    #[serde(default = "default_provider_timeout", with = "super::duration_ms")]
+    pub timeout_ms: Duration,
+    /// Local limit of this process (governor).
+    #[serde(default = "default_rps")]
+    pub requests_per_second: NonZeroU32,
+    /// Filled by validation from `api_key_env`.
+    #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<Secret>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Key of the `[providers.*]` table this model is called through.
+    pub provider: String,
+    /// Key of the `[pools.*]` table whose slots bound this model's concurrent calls.
+    #[serde(default = "default_pool")]
+    pub pool: String,
+    /// The model id sent to the provider; empty = the table key.
+    #[serde(default)]
+    pub upstream: String,
+    /// USD per million input tokens.
+    #[serde(with = "price")]
+    pub input_per_mtok: Decimal,
+    /// USD per million output tokens.
+    #[serde(with = "price")]
+    pub output_per_mtok: Decimal,
+    /// USD per million cached input tokens; absent = cached tokens cost `input_per_mtok`.
+    #[serde(default, with = "opt_price", skip_serializing_if = "Option::is_none")]
+    pub cached_input_per_mtok: Option<Decimal>,
+    /// Largest prompt plus completion, in tokens, the model accepts (> 0).
+    pub context_window: u64,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Attempts on one model before the route moves to its next model (>= 1).
+    pub max_attempts_per_model: NonZeroU32,
+    /// First backoff delay; doubled per attempt with jitter.
+    #[serde(with = "super::duration_ms")]
+    pub base_delay_ms: Duration,
+    /// Cap of the backoff delay.
+    #[serde(with = "super::duration_ms")]
+    pub max_delay_ms: Duration,
+    /// Longest provider `Retry-After` honoured on the same model; longer moves on.
+    #[serde(with = "super::duration_ms")]
+    pub max_retry_after_ms: Duration,
+}
+
+fn default_provider_timeout() -> Duration {
+    Duration::from_millis(60_000)
+}
+fn default_rps() -> NonZeroU32 {
+    NonZeroU32::new(50).expect("50 > 0")
+}
+fn default_pool() -> String {
+    "default".into()
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            url: "redis://127.0.0.1:6379".into(),
+            password_env: "REDIS_PASSWORD".into(),
+            tls_ca_file: String::new(),
+            password: None,
+        }
+    }
+}
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            namespace: "llm".into(),
+            group: "workers".into(),
+            consumer: String::new(),
+            claim_idle_ms: Duration::from_millis(120_000),
+            max_deliveries: NonZeroU64::new(5).expect("5 > 0"),
+            dedupe_ttl_s: 86_400,
+            results_maxlen: 1_000_000,
+            max_payload_bytes: 1 << 20,
+            block_ms: Duration::from_millis(1000),
+            delete_acked: true,
+            consumer_idle_remove_ms: Duration::from_millis(3_600_000),
+        }
+    }
+}
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            concurrency: NonZeroUsize::new(32).expect("32 > 0"),
+            shutdown_grace_ms: Duration::from_millis(25_000),
+        }
+    }
+}
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "0.0.0.0:8080".into(),
+        }
+    }
+}
+impl Default for SlotsConfig {
+    fn default() -> Self {
+        SlotsConfig {
+            ttl_ms: Duration::from_millis(30_000),
+            acquire_timeout_ms: Duration::from_millis(10_000),
+        }
+    }
+}
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            format: "text".into(),
+            level: "info".into(),
+        }
+    }
+}
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_attempts_per_model: NonZeroU32::new(3).expect("3 > 0"),
+            base_delay_ms: Duration::from_millis(500),
+            max_delay_ms: Duration::from_millis(8000),
+            max_retry_after_ms: Duration::from_millis(60_000),
+        }
+    }
+}

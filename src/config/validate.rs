@@ -1,0 +1,316 @@
+//! Validation: every range and cross-reference check, and the derived fields
+//! (`api_key`, `redis.password`, `queue.consumer`). Errors name the dotted key.
+
+use super::prices::check_price;
+use super::secret::split_redis_url;
+use super::{Config, ConfigError, Secret};
+
+/// `<hostname>-<pid>`: `$HOSTNAME`, else `/etc/hostname`, else `worker`.
+fn default_consumer(env: &std::collections::HashMap<String, String>) -> String {
+    let host = env
+        .get("HOSTNAME")
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_string())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| "worker".to_string());
+    format!("{host}-{}", std::process::id())
+}
+
+fn require(ok: bool, key: &str, message: impl Into<String>) -> Result<(), ConfigError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(key, message))
+    }
+}
+
+impl Config {
+    /// Checks every cross-reference and range, and fills the derived fields
+    /// (`api_key`, `redis.password`, `queue.consumer`). The first problem found is returned.
+    pub(super) fn validate(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        self.validate_redis(env)?;
+        self.validate_queue(env)?;
+        self.validate_process()?;
+        self.validate_pools_providers_models()?;
+        self.validate_routes()?;
+        self.resolve_api_keys(env)?;
+        Ok(())
+    }
+
+    fn validate_redis(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        // The password leaves the URL here, so no later print of `redis.url` can show it.
+        let split =
+            split_redis_url(&self.redis.url).map_err(|m| ConfigError::invalid("redis.url", m))?;
+        self.redis.url = split.url;
+        let url = &self.redis.url;
+        if !self.redis.tls_ca_file.is_empty() {
+            require(
+                url.starts_with("rediss://"),
+                "redis.tls_ca_file",
+                "is only used with a rediss:// url",
+            )?;
+            require(
+                std::fs::metadata(&self.redis.tls_ca_file).is_ok_and(|m| m.is_file()),
+                "redis.tls_ca_file",
+                format!("cannot read {:?}", self.redis.tls_ca_file),
+            )?;
+        }
+        // The password is optional: a missing variable means "no password" (local Redis).
+        // The variable wins over a password in the URL (as it always has: it is the one
+        // an operator can change without editing the file).
+        self.redis.password = split.password;
+        if !self.redis.password_env.is_empty()
+            && let Some(pw) = env.get(&self.redis.password_env)
+            && !pw.is_empty()
+        {
+            self.redis.password = Some(Secret::new(pw.clone()));
+        }
+        Ok(())
+    }
+
+    fn validate_queue(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        let q = &mut self.queue;
+        require(
+            !q.namespace.is_empty(),
+            "queue.namespace",
+            "must not be empty",
+        )?;
+        // The namespace becomes the hash tag `{ns}`: a brace would break the tag (and so
+        // the one-cluster-slot guarantee), whitespace makes keys awkward to type.
+        require(
+            !q.namespace
+                .chars()
+                .any(|c| c == '{' || c == '}' || c.is_whitespace()),
+            "queue.namespace",
+            format!(
+                "must not contain '{{', '}}' or whitespace, got {:?}",
+                q.namespace
+            ),
+        )?;
+        require(!q.group.is_empty(), "queue.group", "must not be empty")?;
+        require(
+            !q.consumer_idle_remove_ms.is_zero(),
+            "queue.consumer_idle_remove_ms",
+            "must be greater than 0",
+        )?;
+        require(
+            !q.claim_idle_ms.is_zero(),
+            "queue.claim_idle_ms",
+            "must be greater than 0",
+        )?;
+        require(
+            q.dedupe_ttl_s > 0,
+            "queue.dedupe_ttl_s",
+            "must be greater than 0",
+        )?;
+        require(
+            q.results_maxlen > 0,
+            "queue.results_maxlen",
+            "must be greater than 0",
+        )?;
+        require(
+            q.max_payload_bytes > 0,
+            "queue.max_payload_bytes",
+            "must be greater than 0",
+        )?;
+        require(
+            (1..=10_000).contains(&q.block_ms.as_millis()),
+            "queue.block_ms",
+            format!(
+                "must be between 1 and 10000, got {}",
+                q.block_ms.as_millis()
+            ),
+        )?;
+        if q.consumer.is_empty() {
+            q.consumer = default_consumer(env);
+        }
+        Ok(())
+    }
+
+    fn validate_process(&self) -> Result<(), ConfigError> {
+        // Short TTLs are allowed (tests use 1-2 s), but below 100 ms renewals could not keep up.
+        require(
+            self.slots.ttl_ms >= std::time::Duration::from_millis(100),
+            "slots.ttl_ms",
+            format!(
+                "must be at least 100, got {}",
+                self.slots.ttl_ms.as_millis()
+            ),
+        )?;
+        require(
+            !self.slots.acquire_timeout_ms.is_zero(),
+            "slots.acquire_timeout_ms",
+            "must be greater than 0",
+        )?;
+        let r = &self.retry;
+        require(
+            r.base_delay_ms <= r.max_delay_ms,
+            "retry.base_delay_ms",
+            format!(
+                "must not exceed retry.max_delay_ms ({} > {})",
+                r.base_delay_ms.as_millis(),
+                r.max_delay_ms.as_millis()
+            ),
+        )?;
+        require(
+            matches!(self.log.format.as_str(), "text" | "json"),
+            "log.format",
+            format!("must be \"text\" or \"json\", got {:?}", self.log.format),
+        )?;
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
+            return Err(ConfigError::invalid(
+                "log.level",
+                format!("not a valid filter directive {:?}: {e}", self.log.level),
+            ));
+        }
+        if !self.server.listen.is_empty()
+            && let Err(e) = self.server.listen.parse::<std::net::SocketAddr>()
+        {
+            return Err(ConfigError::invalid(
+                "server.listen",
+                format!(
+                    "must be empty or host:port with an IP address, got {:?}: {e}",
+                    self.server.listen
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn validate_pools_providers_models(&self) -> Result<(), ConfigError> {
+        require(
+            !self.pools.is_empty(),
+            "pools",
+            "at least one pool is required, e.g. [pools.default] slots = 8",
+        )?;
+        for (name, p) in &self.providers {
+            require(
+                p.base_url.starts_with("http://") || p.base_url.starts_with("https://"),
+                &format!("providers.{name}.base_url"),
+                format!("must start with http:// or https://, got {:?}", p.base_url),
+            )?;
+            require(
+                !p.timeout_ms.is_zero(),
+                &format!("providers.{name}.timeout_ms"),
+                "must be greater than 0",
+            )?;
+        }
+        for (name, m) in &self.models {
+            require(
+                self.providers.contains_key(&m.provider),
+                &format!("models.{name}.provider"),
+                format!(
+                    "unknown provider {:?} (known: {})",
+                    m.provider,
+                    known(self.providers.keys())
+                ),
+            )?;
+            require(
+                self.pools.contains_key(&m.pool),
+                &format!("models.{name}.pool"),
+                format!(
+                    "unknown pool {:?} (known: {})",
+                    m.pool,
+                    known(self.pools.keys())
+                ),
+            )?;
+            require(
+                m.context_window > 0,
+                &format!("models.{name}.context_window"),
+                "must be greater than 0",
+            )?;
+            check_price(format!("models.{name}.input_per_mtok"), m.input_per_mtok)?;
+            check_price(format!("models.{name}.output_per_mtok"), m.output_per_mtok)?;
+            if let Some(c) = m.cached_input_per_mtok {
+                check_price(format!("models.{name}.cached_input_per_mtok"), c)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_routes(&mut self) -> Result<(), ConfigError> {
+        // Entries from `LLM_WORKER__ROUTES__X=a, b` may carry spaces around the commas.
+        for models in self.routes.values_mut() {
+            for m in models.iter_mut() {
+                let trimmed = m.trim();
+                if trimmed.len() != m.len() {
+                    *m = trimmed.to_string();
+                }
+            }
+        }
+        require(
+            self.routes.contains_key("default"),
+            "routes.default",
+            "the route \"default\" is required (used by jobs that name no route)",
+        )?;
+        for (name, models) in &self.routes {
+            let key = format!("routes.{name}");
+            require(!models.is_empty(), &key, "must name at least one model")?;
+            for (i, m) in models.iter().enumerate() {
+                require(
+                    self.models.contains_key(m),
+                    &key,
+                    format!("unknown model {m:?} (known: {})", known(self.models.keys())),
+                )?;
+                require(
+                    !models[..i].contains(m),
+                    &key,
+                    format!("model {m:?} appears more than once"),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the API key of every provider that at least one model uses. A provider no
+    /// model refers to is never called, so a missing key for it is not an error (this
+    /// lets one file list providers that only some deployments have keys for).
+    fn resolve_api_keys(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        let used: std::collections::BTreeSet<String> =
+            self.models.values().map(|m| m.provider.clone()).collect();
+        for (name, p) in self.providers.iter_mut() {
+            if p.api_key_env.is_empty() || !used.contains(name) {
+                continue;
+            }
+            match env.get(&p.api_key_env) {
+                Some(v) if !v.is_empty() => p.api_key = Some(Secret::new(v.clone())),
+                _ => {
+                    return Err(ConfigError::invalid(
+                        format!("providers.{name}.api_key_env"),
+                        format!(
+                            "environment variable {} is not set (export it, or set api_key_env = \"\" for a local server)",
+                            p.api_key_env
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn known<'a>(names: impl Iterator<Item = &'a String>) -> String {
+    let v: Vec<&str> = names.map(String::as_str).collect();
+    if v.is_empty() {
+        "none".to_string()
+    } else {
+        v.join(", ")
+    }
+}
