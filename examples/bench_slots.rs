@@ -1,6 +1,7 @@
 //! Slot benchmark (release mode): `cargo run --release --example bench_slots`.
 //!
-//! Starts its own redis-server on a free loopback port (`demo::TempRedis`) and measures, side by side in one
+//! Starts its own redis-server (the test harness's `RedisServer`, on a unix socket in a
+//! temporary directory) and measures, side by side in one
 //! run, the fleet-wide slots (`llm_worker::slots`) against the old way (SET NX on each
 //! slot, sleep 100 ms, try again):
 //! - uncontended acquire latency p50/p99 (and a PING round trip for scale);
@@ -13,7 +14,8 @@
 
 use llm_worker::config::Config;
 use llm_worker::connect::command_pool;
-use llm_worker::demo::TempRedis;
+#[path = "../tests/common/mod.rs"]
+mod common;
 use llm_worker::slots::Slots;
 use redis::AsyncCommands;
 use std::collections::HashMap;
@@ -266,10 +268,10 @@ fn report(name: &str, mut c: Contended) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let redis = TempRedis::start().await.expect("redis-server on PATH");
-    let url = redis.url.clone();
+    let redis = common::RedisServer::start();
+    let url = redis.url();
     let client = redis::Client::open(url.as_str()).expect("client");
-    // TempRedis::start has waited until it answers.
+    // RedisServer::start has waited until it answers.
     let mut admin = client
         .get_multiplexed_async_connection()
         .await

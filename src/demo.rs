@@ -60,19 +60,20 @@ fn other<E: std::fmt::Display>(e: E) -> DemoError {
     DemoError::Other(e.to_string())
 }
 
-/// A throwaway `redis-server` on a free loopback port (`--save '' --appendonly no`, its
-/// own directory); killed and its directory removed on drop. Used by the demo when no
-/// Redis answers, and by the benchmarks.
-pub struct TempRedis {
+/// The demo's own throwaway `redis-server` on a free loopback port (`--save ''
+/// --appendonly no`, its own directory), for a newcomer with no Redis running; killed and
+/// its directory removed on drop. Private to the demo: tests and benchmarks start theirs
+/// with the test harness (`tests/common`).
+struct TempRedis {
     child: std::process::Child,
     dir: std::path::PathBuf,
     /// `redis://127.0.0.1:<port>`
-    pub url: String,
+    url: String,
 }
 
 impl TempRedis {
     /// Starts one and waits (at most 5 s) until it answers PING.
-    pub async fn start() -> Result<TempRedis, DemoError> {
+    async fn start() -> Result<TempRedis, DemoError> {
         let port = free_port()?;
         let dir =
             std::env::temp_dir().join(format!("llm-worker-redis-{}-{port}", std::process::id()));

@@ -15,5 +15,6 @@ pub mod shutdown;
 pub mod sim;
 pub mod slots;
 pub mod state;
+pub mod sync;
 pub mod tools;
 pub mod worker;

@@ -51,7 +51,8 @@ use crate::connect::{ConnectError, blocking_connection};
 use redis::aio::MultiplexedConnection;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::lock;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
@@ -141,10 +142,6 @@ pub enum SlotError {
     Pool(#[from] deadpool_redis::PoolError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 struct Waiter {

@@ -25,6 +25,7 @@ use crate::slots::{Lease, SlotError, Slots};
 use rust_decimal::Decimal;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use crate::sync::lock;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -1110,10 +1111,6 @@ impl Drop for KeeperGuard {
         self.0.cancel();
         self.1.abort();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn class_label(c: &ErrorClass) -> &'static str {

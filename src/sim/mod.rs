@@ -40,7 +40,8 @@ use axum::routing::{get, post};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex, MutexGuard};
+use crate::sync::lock;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -85,11 +86,6 @@ impl std::fmt::Debug for Sim {
             .field("options", &self.options())
             .finish_non_exhaustive()
     }
-}
-
-/// Recover a poisoned lock: the guarded counters/options are always valid values.
-pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Decrements in-flight counters when dropped, so calls cancelled by the client (timeout,
