@@ -48,10 +48,10 @@
 
 use crate::config::Config;
 use crate::connect::{ConnectError, blocking_connection};
+use crate::sync::lock;
 use redis::aio::MultiplexedConnection;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use crate::sync::lock;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, oneshot};

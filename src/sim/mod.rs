@@ -35,12 +35,12 @@ pub use options::{Fault, Rule, SimOptions};
 pub use stats::{Billed, SimStats};
 pub use tokens::{completion_tokens_for, estimate_prompt_tokens};
 
+use crate::sync::lock;
 use axum::Router;
 use axum::routing::{get, post};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
-use crate::sync::lock;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;

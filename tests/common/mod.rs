@@ -354,8 +354,14 @@ max_retry_after_ms = 2000
     }
 }
 
+/// The built `llm-worker` binary. Cargo names it only to integration tests; the
+/// benchmarks (examples) share this harness for Redis and the sim but not the binary.
+#[allow(clippy::option_env_unwrap)] // env! would not compile in the examples that share this file
 pub fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_llm-worker"))
+    PathBuf::from(
+        option_env!("CARGO_BIN_EXE_llm-worker")
+            .expect("the llm-worker binary is known to integration tests only"),
+    )
 }
 
 /// A worker process; killed on drop. Its stderr goes to a log file (printed by
