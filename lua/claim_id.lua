@@ -2,7 +2,9 @@
 -- KEYS[1] result marker of the id ({ns}:done:<id>, value "<result entry id>|<status>")
 -- KEYS[2] in-progress marker of the id ({ns}:inflight:<id>, value = the job entry id)
 -- ARGV[1] this job's entry id   ARGV[2] in-progress marker ttl ms
--- Returns {'done', marker}: the id already has a result (acknowledge, no model call);
+-- Returns {'done', marker}: the id already has an `ok` result (acknowledge, no model
+--                           call); a `failed` or `dead` result does not count: the id
+--                           runs again (its commit then replaces that marker);
 --         {'claimed', ''}: go ahead (the marker is ours; a re-delivery of the same entry
 --                          takes its own marker over);
 --         {'busy', other entry id}: another copy of the id is being worked on now.
@@ -15,7 +17,11 @@ for _, k in ipairs(KEYS) do
 end
 local done = redis.call('GET', KEYS[1])
 if done then
-  return {'done', done}
+  -- A marker without a status (older workers) stands for `ok`.
+  local status = string.match(done, '|([^|]*)$')
+  if status == nil or status == 'ok' then
+    return {'done', done}
+  end
 end
 local cur = redis.call('GET', KEYS[2])
 if (not cur) or cur == ARGV[1] then

@@ -769,3 +769,72 @@ async fn network_partition_longer_than_claim_idle_pays_every_job_once() -> anyho
     );
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// Contract: an id whose last result was `failed` or `dead` runs again when pushed again;
+// an id with an `ok` result is a duplicate.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_id_pushed_again_runs_again_then_is_a_duplicate() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![always("*", llm_worker::sim::Fault::Status { status: 500 })],
+        ..SimOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    push(&mut conn, "llm", &[job("rerun-1", "hi")]).await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["status"], "failed", "{:?}", results[0].1);
+    let failed_calls = sim_calls(&sim).get("rerun-1").copied().unwrap_or(0);
+    assert!(failed_calls >= 1, "{failed_calls}");
+
+    // The provider recovers; the same id pushed again runs again.
+    sim.sim.set_options(SimOptions::default());
+    push(&mut conn, "llm", &[job("rerun-1", "hi")]).await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let r = &results[1].1;
+    assert_eq!(r["status"], "ok", "a failed id runs again: {r:?}");
+    assert!(!r.contains_key("duplicate_of"), "{r:?}");
+    let attempts: u64 = r["attempts"].parse()?;
+    assert!(attempts >= 1, "{r:?}");
+    assert_eq!(
+        sim_calls(&sim).get("rerun-1").copied().unwrap_or(0),
+        failed_calls + attempts,
+        "the re-run called a model"
+    );
+    let marker: String = conn.get("{llm}:done:rerun-1").await?;
+    assert_eq!(
+        marker,
+        format!("{}|ok", results[1].0),
+        "the ok result replaced the failed marker"
+    );
+
+    // Now the id is ok: a third push is a duplicate, no model call.
+    push(&mut conn, "llm", &[job("rerun-1", "hi")]).await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 3, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let r = &results[2].1;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["duplicate_of"], results[1].0, "{r:?}");
+    assert_eq!(
+        sim_calls(&sim).get("rerun-1").copied().unwrap_or(0),
+        failed_calls + attempts,
+        "no new call for a duplicate"
+    );
+    Ok(())
+}

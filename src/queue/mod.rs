@@ -240,7 +240,7 @@ impl Commit {
 pub enum IdClaim {
     /// Go ahead: this entry now owns the id's in-progress marker.
     Claimed,
-    /// The id already has a result: `(result entry id, status)`.
+    /// The id already has an `ok` result: `(result entry id, status)`.
     Done { result_id: String, status: String },
     /// Another entry with the same id is being worked on now.
     Busy { other_entry: String },
