@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Shared prelude of every slot script (prepended to it in src/slots.rs): the pool's
 -- lease clock, so that time in which Redis itself could not answer does not count
 -- against a lease's holder.
@@ -15,6 +16,13 @@
 -- before this script (or anyone) may take a slot. A key that holds another token is
 -- never touched: a slot key is only written by its token's holder, or restored to it.
 -- Returns the server time now, in ms.
+--
+-- The shebang (first line of every concatenated slot script) declares allow-oom: under
+-- maxmemory + noeviction, Redis 7 refuses the first memory-growing write of a flagless
+-- script, so the clock's HSET would make renewals (PEXPIRE) and releases (DEL) fail and
+-- a running call would lose its slot. With it, renewal, release and release-all work
+-- while Redis is full; acquire may still take a free slot (a few bytes, N bounded), and
+-- the result of its call waits in commit_until_written until Redis takes writes again.
 local function slot_clock(h, slot_prefix, gap)
   local tm = redis.call('TIME')
   local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)

@@ -400,3 +400,88 @@ async fn paused_holder_retakes_its_own_free_slot() -> anyhow::Result<()> {
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }
+
+/// Redis full (maxmemory + noeviction): a holder's renewals keep its slot key, and its
+/// release at shutdown frees it, while every memory-growing write is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_renewal_and_release_work_while_redis_is_out_of_memory() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 30_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 2000;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
+    push(&mut conn, "llm", &jobs("job", 1)).await;
+    let running = wait_for(Duration::from_secs(10), || {
+        let sim = sim.sim.clone();
+        async move { sim.stats().in_flight == 1 }
+    })
+    .await;
+    assert!(running, "A's call runs\n{}", a.log());
+    let token = holder(&mut conn, SLOT0).await.expect("A holds the slot");
+    assert!(token.starts_with("wa:"), "{token}");
+
+    // Fill memory, then cap it below what is used: every growing write is refused.
+    let _: () = conn.set("{llm}:ballast", "x".repeat(8 << 20)).await?;
+    let info: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut conn)
+        .await?;
+    let used: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("used_memory in INFO memory");
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut conn)
+        .await?;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used - (1 << 20))
+        .query_async(&mut conn)
+        .await?;
+    let refused: redis::RedisResult<()> = conn.set("{llm}:probe", "1").await;
+    assert!(refused.is_err(), "Redis refuses writes now: {refused:?}");
+
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let now = holder(&mut conn, SLOT0).await;
+    let kept = now.as_deref() == Some(token.as_str());
+
+    a.signal(libc_sig::TERM);
+    let exited = wait_exit(&mut a, Duration::from_secs(15)).await;
+    let mut ours = Vec::new();
+    for k in slot_keys(&mut conn, "llm").await {
+        if holder(&mut conn, &k).await.as_deref() == Some(token.as_str()) {
+            ours.push(k);
+        }
+    }
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(0)
+        .query_async(&mut conn)
+        .await?;
+    assert!(
+        kept,
+        "the slot key keeps the holder's token under OOM past the ttl: {now:?}\n{}",
+        a.log()
+    );
+    assert!(exited.is_some(), "A exits on SIGTERM\n{}", a.log());
+    assert!(
+        ours.is_empty(),
+        "no slot key holds A's token after it exited: {ours:?}\n{}",
+        a.log()
+    );
+    Ok(())
+}
