@@ -5,6 +5,7 @@
 -- KEYS[1] jobs stream   KEYS[2] results stream   KEYS[3] dead stream
 -- KEYS[4] cost totals hash   KEYS[5] result marker of the job id
 -- KEYS[6] in-progress marker of the job id (deleted if it is this entry's)
+-- KEYS[7] hand-back tombstone of the job entry (lua/handback.lua): the entry was moved
 -- ARGV[1] group   ARGV[2] job entry id   ARGV[3] results/dead MAXLEN (approximate)
 -- ARGV[4] result marker ttl in seconds (0 = no marker)   ARGV[5] 1 = XDEL the job entry
 -- ARGV[6] the result's status (stored in the marker)   ARGV[7] this worker's consumer name
@@ -26,11 +27,13 @@
 --                             written (a job never gets two results).
 -- An entry deleted from the jobs stream while pending (XDEL, MAXLEN) may have been dropped
 -- from the pending list by XCLAIM/XAUTOCLAIM; if no result exists for it nor an ok
--- result for its id, its result is written anyway (there is nothing left to acknowledge).
+-- result for its id, its result is written anyway (there is nothing left to acknowledge),
+-- unless it was handed back (tombstone KEYS[7]): then the new entry's worker answers the
+-- job, and this commit is superseded (one result per job).
 -- Errors (nothing written): `WRONGTYPE <key> ...` naming the key, `ERR commit.lua: ...`
 -- for a malformed call.
-local jobs, results, dead, costs, marker, inflight =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local jobs, results, dead, costs, marker, inflight, handedback =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local group, entry, maxlen, ttl, del, status, consumer =
   ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
 
@@ -129,7 +132,7 @@ if not pending then
     return {'superseded', rid}
   end
   local exists = #redis.call('XRANGE', jobs, entry, entry) == 1
-  if exists or mstatus == 'ok' then
+  if exists or mstatus == 'ok' or redis.call('EXISTS', handedback) == 1 then
     return {'superseded', ''}
   end
 end

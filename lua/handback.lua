@@ -6,8 +6,10 @@
 -- Only if the old entry is still pending under this consumer: a job committed or taken
 -- over meanwhile is left alone. Every check runs before the first write.
 -- KEYS[1] jobs stream   KEYS[2] in-progress marker of the job id
+-- KEYS[3] hand-back tombstone of the old entry (set to the new entry id, so a late commit
+-- of the old entry by a worker cut off meanwhile is superseded, not a second result)
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] entry id   ARGV[4] deliveries so far
--- ARGV[5] 1 = XDEL the old entry
+-- ARGV[5] 1 = XDEL the old entry   ARGV[6] tombstone ttl in seconds
 -- Returns {'moved', new entry id} | {'notours', ''} | {'deleted', ''}
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then
@@ -42,6 +44,7 @@ fields[#fields + 1] = ARGV[4]
 fields[#fields + 1] = '_entry'
 fields[#fields + 1] = first
 local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
+redis.call('SET', KEYS[3], id, 'EX', ARGV[6])
 if release then
   redis.call('DEL', KEYS[2])
 end

@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use llm_worker::queue::{Commit, Queue};
+use llm_worker::queue::{Commit, CommitOutcome, Queue};
 use llm_worker::sim::SimOptions;
 use redis::AsyncCommands;
 use std::collections::{BTreeMap, HashMap};
@@ -836,5 +836,58 @@ async fn failed_id_pushed_again_runs_again_then_is_a_duplicate() -> anyhow::Resu
         failed_calls + attempts,
         "no new call for a duplicate"
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// A hand-back then a late commit of the old entry: one result per job.
+
+/// A queue with its own consumer name.
+fn queue_as(redis: &RedisServer, sim: &SimHandle, consumer: &str) -> Queue {
+    let mut cfg = TestConfig::new(redis, sim).parsed();
+    cfg.queue.consumer = consumer.into();
+    let pool = llm_worker::connect::command_pool(&cfg, 4).expect("pool");
+    Queue::new(&cfg, pool)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_commit_of_a_handed_back_entry_is_superseded() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let qa = queue_as(&redis, &sim, "worker-a");
+    let qb = queue_as(&redis, &sim, "worker-b");
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &[job("hb-1", "hi")]).await;
+    read_as(&mut conn, qb.consumer()).await;
+    let moved = qb.hand_back(&ids[0], Some("hb-1"), 1).await?;
+    let new = match moved {
+        llm_worker::queue::HandBack::Moved(new) => new,
+        other => anyhow::bail!("not moved: {other:?}"),
+    };
+    // Worker A, cut off while holding a paid result for the old entry, commits it late.
+    let late = qa
+        .commit(&result_commit(&ids[0], "hb-1", "ok", qa.consumer()))
+        .await?;
+    assert_eq!(
+        late,
+        CommitOutcome::Superseded,
+        "late commit of the old entry"
+    );
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 0, "nothing written");
+    // The worker of the new entry commits it: the job's only result.
+    read_as(&mut conn, qb.consumer()).await;
+    let now = qb
+        .commit(&result_commit(&new, "hb-1", "ok", qb.consumer()))
+        .await?;
+    assert!(matches!(now, CommitOutcome::Written { .. }), "{now:?}");
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(
+        results.len(),
+        1,
+        "exactly one result for the job: {results:?}"
+    );
+    assert_eq!(results[0].1["job_entry"], new);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
     Ok(())
 }

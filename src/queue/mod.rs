@@ -111,6 +111,11 @@ impl Keys {
     pub fn inflight(&self, job_id: &str) -> String {
         format!("{}:inflight:{job_id}", self.prefix)
     }
+    /// Tombstone of a handed-back job entry, value = the new entry id: a late commit of
+    /// the old entry is superseded (`lua/commit.lua`), so a job never gets two results.
+    pub fn handed_back(&self, entry_id: &str) -> String {
+        format!("{}:handedback:{entry_id}", self.prefix)
+    }
 }
 
 /// One job entry as read from the stream.
@@ -356,6 +361,7 @@ impl Queue {
             .key(&self.keys.costs)
             .key(dedupe_key)
             .key(inflight_key)
+            .key(self.keys.handed_back(&c.entry_id))
             .arg(&self.group)
             .arg(&c.entry_id)
             .arg(self.results_maxlen)
@@ -589,11 +595,14 @@ impl Queue {
         let mut inv = script.prepare_invoke();
         inv.key(&self.keys.jobs)
             .key(self.keys.inflight(job_id.unwrap_or("")))
+            .key(self.keys.handed_back(entry_id))
             .arg(&self.group)
             .arg(&self.consumer)
             .arg(entry_id)
             .arg(deliveries)
-            .arg(if self.delete_acked { 1 } else { 0 });
+            .arg(if self.delete_acked { 1 } else { 0 })
+            // Outlives any held result: a day, or the result marker's ttl if longer.
+            .arg(self.dedupe_ttl_s.max(86_400));
         let mut conn = self.pool.get().await?;
         let (kind, id): (String, String) = inv.invoke_async(&mut *conn).await?;
         Ok(match kind.as_str() {
@@ -634,7 +643,12 @@ mod tests {
         assert_eq!(k.jobs, "{llm}:jobs");
         assert_eq!(k.results, "{llm}:results");
         assert_eq!(k.dead, "{llm}:dead");
-        for key in [k.done("x"), k.inflight("x"), k.costs.clone()] {
+        for key in [
+            k.done("x"),
+            k.inflight("x"),
+            k.handed_back("1-0"),
+            k.costs.clone(),
+        ] {
             assert!(key.starts_with("{llm}:"), "{key}");
         }
     }
