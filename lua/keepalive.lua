@@ -7,30 +7,37 @@
 --
 -- Also the fleet's heartbeat, so that time in which Redis did not answer is not counted
 -- as jobs' idle time: every worker calls this at least every claim_idle_ms / 3 (the
--- reclaimer too, with no entries). If no call at all arrived for longer than
--- claim_idle_ms (Redis stopped, partitioned away, or loading), the stall gate is set for
--- claim_idle_ms from now: until it expires nobody reclaims, so the workers that still
+-- reclaimer too, with no entries). If no call at all arrived for longer than the gap
+-- threshold ARGV[4] (claim_idle_ms minus at least the keepalive period, e.g. half of it:
+-- an entry's idle time already counts the time since its last keepalive, so a stall a
+-- bit shorter than claim_idle_ms leaves it idle past claim_idle_ms) (Redis stopped,
+-- partitioned away, or loading), the stall gate is set for claim_idle_ms from now:
+-- until it expires nobody reclaims, so the workers that still
 -- hold those jobs (and maybe their paid results) get to keep them alive or commit them.
 -- The heartbeat write is allowed to fail (pcall: under maxmemory + noeviction).
+-- An entry's marker that lapsed (a stall longer than its ttl) is re-created (SET NX), so
+-- a new copy of the id pushed later is not paid a second time while this one runs.
 --
 -- KEYS[1] jobs stream   KEYS[2] heartbeat (server ms)   KEYS[3] stall gate
 -- KEYS[3 + i] in-progress marker of entry i
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] claim_idle_ms (also the marker ttl)
--- ARGV[3 + i] entry id i
+-- ARGV[4] heartbeat gap (ms) above which the stall gate is set
+-- ARGV[4 + i] entry id i
 -- Returns {stalled (1: do not reclaim now), entries no longer ours, entries deleted}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local idle = tonumber(ARGV[3])
+local gap = tonumber(ARGV[4])
 local hb = redis.pcall('GET', KEYS[2])
 local last = type(hb) == 'string' and tonumber(hb) or nil
-if last and now - last > idle then
+if last and now - last > gap then
   redis.pcall('SET', KEYS[3], now, 'PX', idle)
 end
 redis.pcall('SET', KEYS[2], now, 'PX', 86400000)
 local stalled = redis.call('EXISTS', KEYS[3])
 
 local gone, deleted = {}, {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local id = ARGV[i]
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
   if #p == 1 and p[1][2] == ARGV[2] then
@@ -39,9 +46,12 @@ for i = 4, #ARGV do
     else
       redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
     end
-    local marker = KEYS[i]
-    if redis.call('GET', marker) == id then
+    local marker = KEYS[i - 1]
+    local cur = redis.call('GET', marker)
+    if cur == id then
       redis.call('PEXPIRE', marker, ARGV[3])
+    elseif not cur then
+      redis.call('SET', marker, id, 'NX', 'PX', ARGV[3])
     end
   else
     table.insert(gone, id)

@@ -850,6 +850,20 @@ fn queue_as(redis: &RedisServer, sim: &SimHandle, consumer: &str) -> Queue {
     Queue::new(&cfg, pool)
 }
 
+// Stall gate (review hole): a Redis stall shorter than claim_idle_ms but longer than
+// claim_idle_ms minus the keepalive period leaves a running entry idle past claim_idle_ms;
+// the gate must close on it, and the keepalive must re-create a lapsed in-progress marker.
+
+/// A queue with `claim_idle_ms` 3000 as consumer `who` (no provider needed).
+fn queue_named(redis: &RedisServer, who: &str) -> Queue {
+    let mut cfg =
+        TestConfig::with_urls(&redis.url(), "127.0.0.1:9".parse().expect("addr")).parsed();
+    cfg.queue.claim_idle_ms = Duration::from_millis(3000);
+    cfg.queue.consumer = who.to_string();
+    let pool = llm_worker::connect::command_pool(&cfg, 4).expect("pool");
+    Queue::new(&cfg, pool)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn late_commit_of_a_handed_back_entry_is_superseded() -> anyhow::Result<()> {
     let redis = RedisServer::start();
@@ -889,5 +903,58 @@ async fn late_commit_of_a_handed_back_entry_is_superseded() -> anyhow::Result<()
     );
     assert_eq!(results[0].1["job_entry"], new);
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    Ok(())
+}
+
+/// Redis server time in ms.
+async fn server_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.expect("time");
+    s * 1000 + us / 1000
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stall_shorter_than_claim_idle_but_past_the_keepalive_margin_gates_reclaim()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &jobs("gate", 1)).await;
+    read_as(&mut conn, "A").await;
+    // A's last keepalive was 3300 ms ago; the fleet's last heartbeat 2500 ms ago (a stall
+    // of 2500 ms, under claim_idle_ms, ended just now).
+    xclaim(&mut conn, "A", &ids[0], 3300, 1).await;
+    let now = server_ms(&mut conn).await;
+    let _: () = conn.set("{llm}:heartbeat", now - 2500).await?;
+    let b = queue_named(&redis, "B");
+    let r = b.reclaim(10).await?;
+    let taken: Vec<&str> = r.deliveries.iter().map(|d| d.entry_id.as_str()).collect();
+    assert!(
+        taken.is_empty(),
+        "reclaim took a running entry right after a Redis stall: {taken:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_recreates_a_lapsed_in_progress_marker() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &jobs("mk", 1)).await;
+    read_as(&mut conn, "A").await;
+    let a = queue_named(&redis, "A");
+    let marker = a.keys.inflight("mk-0");
+    let _: () = conn.del(&marker).await?;
+    let gone = a.keepalive(&[(ids[0].clone(), "mk-0".to_string())]).await?;
+    assert!(gone.is_empty(), "entry still A's: {gone:?}");
+    let got: Option<String> = conn.get(&marker).await?;
+    assert_eq!(got.as_deref(), Some(ids[0].as_str()), "marker re-created");
+    let ttl: i64 = conn.pttl(&marker).await?;
+    assert!(ttl > 0 && ttl <= 3000, "marker ttl {ttl}");
+    // Another entry's marker is never overwritten.
+    let _: () = conn.set(&marker, "other-entry").await?;
+    a.keepalive(&[(ids[0].clone(), "mk-0".to_string())]).await?;
+    let got: Option<String> = conn.get(&marker).await?;
+    assert_eq!(got.as_deref(), Some("other-entry"));
     Ok(())
 }

@@ -454,7 +454,11 @@ impl Queue {
         }
         inv.arg(&self.group)
             .arg(&self.consumer)
-            .arg(self.claim_idle_ms);
+            .arg(self.claim_idle_ms)
+            // The stall gate's heartbeat gap: claim_idle_ms minus more than the keepalive
+            // period (claim_idle_ms / 3) and its round trip, or an entry could be idle past
+            // claim_idle_ms after a stall the gate let through.
+            .arg(self.claim_idle_ms / 2);
         for (entry, _) in entries {
             inv.arg(entry);
         }
@@ -469,7 +473,7 @@ impl Queue {
     /// delivery counts. Entries deleted from the stream while pending are acknowledged.
     ///
     /// Nothing is taken over while the stall gate of `lua/keepalive.lua` is set: when
-    /// Redis did not answer anyone for longer than `claim_idle_ms`, every entry looks
+    /// Redis did not answer anyone for longer than `claim_idle_ms / 2`, entries look
     /// idle, though their workers may be alive and holding paid results; they get
     /// `claim_idle_ms` from the moment Redis answers again to keep them or commit them.
     pub async fn reclaim(&self, count: usize) -> Result<Reclaimed, QueueError> {
