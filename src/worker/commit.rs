@@ -1,0 +1,315 @@
+//! Writing a job's end: the result (or dead letter) built from the job's outcome and
+//! committed with its acknowledgement, held while Redis is away.
+//!
+//! Invariant: a paid result is never dropped because of time; it is held (bounded by
+//! count and bytes) until Redis answers, then committed unless the id already has one.
+
+use crate::job::Job;
+use crate::provider::{self};
+use crate::queue::{
+    Commit, CommitOutcome, DeadLetter, Delivery, QueueError, ResultEntry, ResultStatus,
+};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+
+impl Worker {
+    /// Writes a finished job's result. A paid result is never dropped because of time:
+    ///
+    /// - an error that heals ([`QueueError::heals`]: Redis unreachable, timeouts, `OOM`
+    ///   under `noeviction`, `LOADING`, a failover) holds the result and retries with
+    ///   backoff until Redis takes it. Held results are bounded by count (each holds its
+    ///   job's permit, so at most `worker.concurrency`) and by bytes
+    ///   ([`MAX_HELD_RESULT_BYTES`] per process; past that a result is dropped, logged and
+    ///   counted in `llm_worker_results_lost_total`). While held, the entry stays in
+    ///   `active`, so the keepalive keeps it from being taken over;
+    /// - an error that does not heal (a key of the wrong type, a script error) is not
+    ///   retried as is: a minimal `failed` result (no dead letter, cost totals or marker)
+    ///   is written instead. If even that fails (the results stream itself is unusable),
+    ///   the job stays pending under this worker, kept alive, not paid again, with an
+    ///   error naming the key logged every [`UNWRITABLE_LOG_EVERY`], until someone fixes
+    ///   the key;
+    /// - a reply lost after the commit ran is recognised on retry (the entry's result is
+    ///   ours) and counted as written, not as superseded.
+    ///
+    /// Only `abort` (shutdown past its grace) gives up on a held result; the job then
+    /// stays pending for another worker.
+    pub(super) async fn commit_until_written(
+        &self,
+        d: &Delivery,
+        commit: &Commit,
+        abort: &CancellationToken,
+    ) {
+        let mut backoff = Backoff::new();
+        let mut held: Option<HeldBytes> = None;
+        let mut fallback: Option<Commit> = None;
+        let mut last_unwritable_log: Option<Instant> = None;
+        loop {
+            let mut wait = false;
+            let current = fallback.as_ref().unwrap_or(commit);
+            match self.queue.commit(current).await {
+                Ok(CommitOutcome::Written { .. }) => {
+                    if held.is_some() {
+                        tracing::info!(entry = %d.entry_id, "held result written");
+                    }
+                    return;
+                }
+                Ok(CommitOutcome::AlreadyWritten { result_id }) => {
+                    tracing::info!(entry = %d.entry_id, result = %result_id, "result was written by an earlier try whose reply was lost");
+                    metrics::counter!("llm_worker_commit_reply_lost_total").increment(1);
+                    return;
+                }
+                Ok(CommitOutcome::Superseded) => {
+                    tracing::warn!(entry = %d.entry_id, "job was already committed by another worker; result discarded");
+                    metrics::counter!("llm_worker_commit_superseded_total").increment(1);
+                    return;
+                }
+                Err(e) if e.heals() => {
+                    wait = true;
+                    if held.is_none() {
+                        match HeldBytes::take(current.size()) {
+                            Some(h) => held = Some(h),
+                            None => {
+                                tracing::error!(entry = %d.entry_id, error = %e, limit = MAX_HELD_RESULT_BYTES, "cannot write result and too many result bytes are held already; dropping it (the job will be reclaimed and paid again)");
+                                metrics::counter!("llm_worker_results_lost_total").increment(1);
+                                return;
+                            }
+                        }
+                        tracing::warn!(entry = %d.entry_id, error = %e, "cannot write result; holding it until Redis takes it");
+                        metrics::counter!("llm_worker_results_held_total").increment(1);
+                    }
+                }
+                Err(e) if fallback.is_none() => {
+                    if last_unwritable_log.is_none() {
+                        tracing::error!(entry = %d.entry_id, error = %e, "result cannot be written as it is (fix the key named); writing a minimal failed result instead");
+                        metrics::counter!("llm_worker_commit_unwritable_total").increment(1);
+                    }
+                    fallback = Some(self.minimal_failed(d, commit, &e));
+                    continue;
+                }
+                Err(e) => {
+                    if last_unwritable_log.is_none_or(|t| t.elapsed() >= UNWRITABLE_LOG_EVERY) {
+                        last_unwritable_log = Some(Instant::now());
+                        tracing::error!(entry = %d.entry_id, error = %e, "no result can be written for this job; it stays pending under this worker (not paid again) until the key named is fixed");
+                    }
+                    if held.is_none() {
+                        held = HeldBytes::take(current.size());
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(UNWRITABLE_RETRY) => {}
+                        _ = abort.cancelled() => {}
+                    }
+                    // The full result first again: the key may have been fixed.
+                    fallback = None;
+                }
+            }
+            if abort.is_cancelled() {
+                tracing::error!(entry = %d.entry_id, "shutting down with a result not written; the job stays pending and will be redone");
+                metrics::counter!("llm_worker_results_lost_total").increment(1);
+                return;
+            }
+            if wait {
+                backoff.sleep(abort).await;
+            }
+        }
+    }
+
+    /// The smallest result that says what happened when the full one cannot be written
+    /// (a key it touches has the wrong type): status `failed`, the usage and cost of the
+    /// calls made, the error; no dead letter, cost totals, or result marker.
+    pub(super) fn minimal_failed(&self, d: &Delivery, full: &Commit, e: &QueueError) -> Commit {
+        let error = provider::one_line(&format!(
+            "result could not be written ({}): {e}",
+            full.status
+        ));
+        // `full.result` is our own encoding, so it decodes; if it ever did not, the
+        // bare result still says which entry failed and why.
+        let result = match ResultEntry::from_fields(full.result.iter().map(|(k, v)| (*k, v))) {
+            Ok(r) => r.minimal_failed(error),
+            Err(_) => {
+                let mut r = ResultEntry::new(
+                    &d.entry_id,
+                    &d.entry_id,
+                    ResultStatus::Failed,
+                    0,
+                    self.queue.consumer(),
+                );
+                r.error = Some(error);
+                r
+            }
+        };
+        Commit {
+            entry_id: d.entry_id.clone(),
+            result: result.into_fields(),
+            dead: vec![],
+            dedupe_id: None,
+            inflight_id: None,
+            status: ResultStatus::Failed.as_str().into(),
+            costs: vec![],
+        }
+    }
+
+    /// A result of `status` for this delivery with no model call counted yet.
+    pub(super) fn base_result(
+        &self,
+        d: &Delivery,
+        job_id: &str,
+        status: ResultStatus,
+        started: Instant,
+    ) -> ResultEntry {
+        ResultEntry::new(
+            job_id,
+            &d.entry_id,
+            status,
+            started.elapsed().as_millis() as u64,
+            self.queue.consumer(),
+        )
+    }
+
+    /// The commit for a job that cannot be processed: `invalid` result + dead letter.
+    pub(super) fn reject(
+        &self,
+        d: &Delivery,
+        job_id: Option<&str>,
+        status: ResultStatus,
+        reason: &str,
+        started: Instant,
+    ) -> Commit {
+        let id = job_id.unwrap_or(&d.entry_id);
+        let mut result = self.base_result(d, id, status, started);
+        result.error = Some(reason.to_string());
+        // Every field of the original entry, name and value verbatim (so `payload` when
+        // there was one); see `DeadLetter` for the shape.
+        let dead = DeadLetter::new(&d.entry_id, job_id, reason, d.deliveries, d.fields.clone());
+        metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
+        Commit {
+            entry_id: d.entry_id.clone(),
+            result: result.into_fields(),
+            dead: dead.into_fields(),
+            // A dead job with a known id has a result: later copies of the id are duplicates.
+            dedupe_id: job_id
+                .filter(|_| status == ResultStatus::Dead)
+                .map(str::to_string),
+            inflight_id: job_id.map(str::to_string),
+            status: status.as_str().to_string(),
+            costs: vec![],
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn finish(
+        &self,
+        d: &Delivery,
+        job: &Job,
+        finished: Finished,
+        bill: &Bill,
+        attempts: u64,
+        tried: &[String],
+        started: Instant,
+    ) -> Commit {
+        let status = match finished {
+            Finished::Ok { .. } => ResultStatus::Ok,
+            Finished::Failed(_) => ResultStatus::Failed,
+        };
+        let mut result = self.base_result(d, &job.id, status, started);
+        match finished {
+            Finished::Ok { model, completion } => {
+                result.model = Some(model);
+                result.content = Some(completion.content);
+                result.finish_reason = Some(completion.finish_reason);
+            }
+            Finished::Failed(e) => result.error = Some(provider::one_line(&e)),
+        }
+        result.input_tokens = bill.usage.prompt_tokens;
+        result.output_tokens = bill.usage.completion_tokens;
+        result.cached_tokens = Some(bill.usage.cached_tokens);
+        result.cost_usd = bill.cost;
+        result.attempts = attempts;
+        result.tried = tried.to_vec();
+        result.metadata = job.metadata.as_ref().map(|m| m.to_string());
+        if !bill.warnings.is_empty() {
+            result.warning = Some(provider::one_line(&bill.warnings.join("; ")));
+        }
+        metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
+        metrics::histogram!("llm_worker_job_seconds").record(started.elapsed().as_secs_f64());
+        Commit {
+            entry_id: d.entry_id.clone(),
+            result: result.into_fields(),
+            dead: vec![],
+            dedupe_id: Some(job.id.clone()),
+            inflight_id: Some(job.id.clone()),
+            status: status.as_str().to_string(),
+            costs: bill.cost_fields(),
+        }
+    }
+
+    /// The result for a copy of a job id that already has one: it points at the original
+    /// (`duplicate_of`), repeats its answer, and costs nothing (no model was called).
+    pub(super) async fn duplicate(
+        &self,
+        d: &Delivery,
+        job: &Job,
+        result_id: &str,
+        status: &str,
+        started: Instant,
+    ) -> Commit {
+        let original = self
+            .queue
+            .result_fields(result_id)
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        // The marker's status is one commit.lua wrote from ours; anything else is
+        // reported as failed rather than invented.
+        let typed = ResultStatus::parse(status).unwrap_or(ResultStatus::Failed);
+        let mut result = self.base_result(d, &job.id, typed, started);
+        result.copy_answer(original);
+        result.duplicate_of = Some(result_id.to_string());
+        result.metadata = job.metadata.as_ref().map(|m| m.to_string());
+        Commit {
+            entry_id: d.entry_id.clone(),
+            result: result.into_fields(),
+            dead: vec![],
+            dedupe_id: None,
+            inflight_id: None,
+            status: status.to_string(),
+            costs: vec![],
+        }
+    }
+}
+
+/// Bytes of results one process holds at most while Redis does not take them (see
+/// [`Worker::commit_until_written`]); a result past it is dropped and counted.
+pub const MAX_HELD_RESULT_BYTES: usize = 256 << 20;
+
+/// How often a result that no key fix can yet take is retried.
+pub(super) const UNWRITABLE_RETRY: Duration = Duration::from_secs(5);
+
+/// How often the error for such a result is logged again.
+pub(super) const UNWRITABLE_LOG_EVERY: Duration = Duration::from_secs(60);
+
+pub(super) static HELD_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// A share of [`MAX_HELD_RESULT_BYTES`], given back on drop.
+pub(super) struct HeldBytes(pub(super) usize);
+
+impl HeldBytes {
+    fn take(n: usize) -> Option<HeldBytes> {
+        HELD_BYTES
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |cur| {
+                (cur + n <= MAX_HELD_RESULT_BYTES).then_some(cur + n)
+            })
+            .ok()
+            .map(|_| HeldBytes(n))
+    }
+}
+
+impl Drop for HeldBytes {
+    fn drop(&mut self) {
+        HELD_BYTES.fetch_sub(self.0, Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,55 @@
+//! The keepalive: resets the idle time of the entries this process runs (and extends
+//! their ids' in-progress markers) every `claim_idle_ms / 3`; also the fleet heartbeat.
+//!
+//! Invariant: touches only entries in `active`, never another consumer's.
+
+use crate::sync::lock;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+
+impl Worker {
+    /// Every third of `queue.claim_idle_ms`, resets the idle time of the jobs this process
+    /// is working on, so a call that legitimately runs long is not taken over (and paid
+    /// for a second time) by another worker.
+    pub(super) async fn keep_alive(self: Arc<Self>, stop: CancellationToken) {
+        let period = (self.cfg.queue.claim_idle_ms / 3).max(Duration::from_millis(50));
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.cancelled() => return,
+            }
+            let entries: Vec<(String, String)> = lock(&self.active)
+                .iter()
+                .map(|(e, j)| (e.clone(), j.clone()))
+                .collect();
+            match self.queue.keepalive(&entries).await {
+                Ok(gone) => {
+                    // A job that committed since the snapshot is gone too, legitimately.
+                    let active = lock(&self.active);
+                    for e in gone.iter().filter(|e| active.contains_key(*e)) {
+                        tracing::warn!(entry = %e, "job is no longer pending under this worker (taken over or acknowledged elsewhere); its result will be discarded if another worker commits first");
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "keepalive failed; retrying next tick"),
+            }
+        }
+    }
+}
+
+/// Stops the keepalive task when the reader loop's drain ends.
+pub(super) struct KeeperGuard(
+    pub(super) CancellationToken,
+    pub(super) tokio::task::JoinHandle<()>,
+);
+
+impl Drop for KeeperGuard {
+    fn drop(&mut self) {
+        self.0.cancel();
+        self.1.abort();
+    }
+}

@@ -1,0 +1,450 @@
+//! One job's lifecycle: parse -> id check -> poison check -> route plan -> per attempt a
+//! slot and a provider call -> decision; handed back when shutdown stops it first.
+//!
+//! Invariant: no provider call starts after the first signal; a task's bookkeeping is
+//! undone by its drop guard on any exit (return, panic, cancellation).
+
+use crate::job::{self};
+use crate::provider::{self, CallError, ProviderClient};
+use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus};
+use crate::router::{Candidate, Decision, ErrorClass, Plan};
+use crate::slots::{Lease, SlotError};
+use crate::sync::lock;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+
+impl Worker {
+    /// Runs one job to its commit. A job stopped by shutdown before its result exists
+    /// (`abort` fired, or it had not started its call when draining began) is handed back
+    /// to the fleet. Cleanup of `active`, the permit and `in_flight` is the caller's
+    /// [`JobGuard`], so it also happens on a panic.
+    pub async fn handle(&self, d: Delivery, abort: CancellationToken) {
+        let started = Instant::now();
+        let commit = tokio::select! {
+            c = self.process(&d, started) => c,
+            _ = abort.cancelled() => {
+                tracing::info!(entry = %d.entry_id, "job cancelled by shutdown; handing it back");
+                metrics::counter!("llm_worker_jobs_abandoned_total").increment(1);
+                None
+            }
+        };
+        match commit {
+            Some(commit) => self.commit_until_written(&d, &commit, &abort).await,
+            None if self.draining.is_cancelled() => self.hand_back(&d).await,
+            None => {}
+        }
+    }
+
+    /// Hands an unfinished job back (see [`Queue::hand_back`]); bounded, so a Redis outage
+    /// cannot hold up the exit: the job then stays pending for `queue.claim_idle_ms`.
+    pub(super) async fn hand_back(&self, d: &Delivery) {
+        let job_id = lock(&self.active)
+            .get(&d.entry_id)
+            .filter(|j| !j.is_empty())
+            .cloned();
+        // The reader ends within its BLOCK (+2 s bound) of the signal.
+        let bound = self.cfg.queue.block_ms + Duration::from_secs(2);
+        let _ = tokio::time::timeout(bound, self.reader_stopped.cancelled()).await;
+        let fut = self
+            .queue
+            .hand_back(&d.entry_id, job_id.as_deref(), d.deliveries);
+        match tokio::time::timeout(Duration::from_millis(1000), fut).await {
+            Ok(Ok(HandBack::Moved(new))) => {
+                tracing::info!(entry = %d.entry_id, new_entry = %new, "unfinished job handed back for another worker");
+                metrics::counter!("llm_worker_jobs_handed_back_total").increment(1);
+            }
+            Ok(Ok(HandBack::NotOurs)) => {
+                tracing::info!(entry = %d.entry_id, "unfinished job no longer ours; nothing to hand back")
+            }
+            Ok(Ok(HandBack::Deleted)) => {
+                tracing::warn!(entry = %d.entry_id, "unfinished job was deleted from the stream while pending; acknowledged");
+                metrics::counter!("llm_worker_jobs_deleted_while_pending_total").increment(1);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(entry = %d.entry_id, error = %e, "cannot hand the job back; it stays pending until another worker reclaims it (queue.claim_idle_ms)")
+            }
+            Err(_) => {
+                tracing::warn!(entry = %d.entry_id, "handing the job back timed out; it stays pending until another worker reclaims it (queue.claim_idle_ms)")
+            }
+        }
+    }
+
+    /// A copy of a job id that another entry is running: waits for that entry's result
+    /// without holding a job permit (the permit goes back on the first call; at most
+    /// `worker.concurrency` copies wait that way, later ones keep theirs), polling with a
+    /// growing delay. `false`: stop waiting and leave the copy pending — draining began, or
+    /// it waited `queue.claim_idle_ms` (it is then reclaimed later, by us or another
+    /// worker, and checked again).
+    pub(super) async fn wait_for_busy_id(
+        &self,
+        entry_id: &str,
+        since: &mut Option<tokio::time::Instant>,
+    ) -> bool {
+        let first = since.is_none();
+        let since = *since.get_or_insert_with(tokio::time::Instant::now);
+        if first {
+            let waiting = lock(&self.active)
+                .len()
+                .saturating_sub(lock(&self.permits).len());
+            if waiting < self.cfg.worker.concurrency.get() {
+                drop(lock(&self.permits).remove(entry_id));
+            }
+        }
+        if since.elapsed() >= self.cfg.queue.claim_idle_ms {
+            tracing::warn!(entry = %entry_id, "same job id still in flight elsewhere after queue.claim_idle_ms; leaving this copy pending");
+            return false;
+        }
+        let delay = (since.elapsed() / 4).clamp(Duration::from_millis(100), Duration::from_secs(2));
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = self.draining.cancelled() => false,
+        }
+    }
+
+    /// A job permit for a copy that gave its permit back while waiting and may now call a
+    /// model. `false` when draining began first.
+    pub(super) async fn regain_permit(&self, entry_id: &str) -> bool {
+        if lock(&self.permits).contains_key(entry_id) {
+            return true;
+        }
+        let permit = tokio::select! {
+            p = self.sem.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return false },
+            _ = self.draining.cancelled() => return false,
+        };
+        lock(&self.permits).insert(entry_id.to_string(), permit);
+        true
+    }
+
+    /// Everything between reading a job and its commit. `None`: leave the job pending.
+    pub(super) async fn process(&self, d: &Delivery, started: Instant) -> Option<Commit> {
+        let mut bill = Bill::default();
+        let job = match job::parse(
+            d.payload.as_deref(),
+            d.first_entry.as_deref().unwrap_or(&d.entry_id),
+            self.cfg.queue.max_payload_bytes,
+            &self.cfg,
+        ) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::warn!(entry = %d.entry_id, reason = %e, "invalid job; dead-lettered");
+                // Keep the producer's id when it can be read, so it can find this result.
+                let id = job::salvage_id(d.payload.as_deref());
+                return Some(self.reject(
+                    d,
+                    id.as_deref(),
+                    ResultStatus::Invalid,
+                    &e.to_string(),
+                    started,
+                ));
+            }
+        };
+        lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+        #[cfg(debug_assertions)]
+        debug_hooks::maybe_panic(&job.id);
+        // Idempotency by id: one model call per id, however many copies are pushed.
+        let mut backoff = Backoff::new();
+        let mut busy_since = None;
+        loop {
+            match self.queue.claim_id(&job.id, &d.entry_id).await {
+                Ok(IdClaim::Claimed) => {
+                    if !self.regain_permit(&d.entry_id).await {
+                        return None;
+                    }
+                    break;
+                }
+                Ok(IdClaim::Done { result_id, status }) => {
+                    tracing::info!(entry = %d.entry_id, job = %job.id, original = %result_id, "duplicate job id; acknowledged without a model call");
+                    metrics::counter!("llm_worker_jobs_duplicate_total").increment(1);
+                    return Some(self.duplicate(d, &job, &result_id, &status, started).await);
+                }
+                Ok(IdClaim::Busy { other_entry }) => {
+                    tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
+                    if !self.wait_for_busy_id(&d.entry_id, &mut busy_since).await {
+                        return None;
+                    }
+                }
+                Err(e) if !e.heals() => {
+                    // A marker key of the wrong type: retrying cannot help, and calling a
+                    // model without the check could pay for the id twice.
+                    tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "idempotency check impossible; job failed without a model call (fix the key named)");
+                    let reason = format!("idempotency check impossible, no model called: {e}");
+                    return Some(self.reject(
+                        d,
+                        Some(&job.id),
+                        ResultStatus::Failed,
+                        &reason,
+                        started,
+                    ));
+                }
+                Err(e) => {
+                    // One line per job, not per retry: the reader logs the outage itself.
+                    if backoff.next == Duration::from_millis(100) {
+                        tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return None;
+                    }
+                }
+            }
+        }
+        // The poison check after the id check: a copy of an id that already has a result
+        // is a duplicate (pointing at that result), never a `dead` that would hide it.
+        if d.deliveries > self.cfg.queue.max_deliveries.get() {
+            let reason = format!(
+                "delivered {} times (queue.max_deliveries = {}): every worker that took it stopped before finishing",
+                d.deliveries, self.cfg.queue.max_deliveries
+            );
+            tracing::error!(entry = %d.entry_id, job = %job.id, "poison job; dead-lettered");
+            return Some(self.reject(d, Some(&job.id), ResultStatus::Dead, &reason, started));
+        }
+        if !d.extra_fields.is_empty() {
+            bill.warnings.push(format!(
+                "ignored stream fields other than payload: {}",
+                d.extra_fields.join(", ")
+            ));
+        }
+        let candidates: Vec<Candidate> = job::model_order(&job, &self.cfg)
+            .into_iter()
+            .filter_map(|m| {
+                let mc = self.cfg.models.get(&m)?;
+                Some(Candidate {
+                    provider: mc.provider.clone(),
+                    pool: mc.pool.clone(),
+                    context_window: mc.context_window,
+                    model: m,
+                })
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Some(self.reject(
+                d,
+                Some(&job.id),
+                ResultStatus::Invalid,
+                "no model to run on",
+                started,
+            ));
+        }
+        let mut plan = Plan::new(candidates, self.policy);
+        let mut attempts = 0u64;
+        let mut tried: Vec<String> = vec![];
+        let finished = loop {
+            // The local rate limit first: a fleet slot is never held while waiting on it.
+            // Draining: no provider call starts after the first signal (the job is handed
+            // back). Checked before each wait and once more with the slot in hand.
+            let throttled = plan.current().provider.clone();
+            if let Some(c) = self.providers.get(&throttled) {
+                self.unless_draining(c.throttle()).await?;
+            }
+            let lease = self.take_slot(&mut plan).await?;
+            let cand = plan.current().clone();
+            if cand.provider != throttled
+                && let Some(c) = self.providers.get(&cand.provider)
+                && self.unless_draining(c.throttle()).await.is_none()
+            {
+                // the slot fast path switched provider
+                release_unused(lease).await;
+                return None;
+            }
+            if self.draining.is_cancelled() {
+                release_unused(lease).await;
+                return None;
+            }
+            if tried.last() != Some(&cand.model) {
+                tried.push(cand.model.clone());
+            }
+            plan.record_attempt();
+            attempts += 1;
+            let Some(client) = self.providers.get(&cand.provider) else {
+                break Finished::Failed(format!("provider {} not configured", cand.provider));
+            };
+            let body = ProviderClient::request_body(&job.body, self.cfg.upstream_name(&cand.model));
+            let call_started = Instant::now();
+            let outcome = client.call(&body, &job.id).await;
+            if lease.is_lost() {
+                tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
+            }
+            if let Err(e) = lease.release().await {
+                tracing::warn!(error = %e, "slot release failed; its TTL frees it");
+            }
+            let label = match &outcome.result {
+                Ok(_) => "ok",
+                Err(e) => class_label(&e.class),
+            };
+            metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => label)
+                .increment(1);
+            metrics::histogram!("llm_worker_provider_call_seconds", "model" => cand.model.clone())
+                .record(call_started.elapsed().as_secs_f64());
+            if let Some(price) = self.prices.get(&cand.model) {
+                bill.add(&cand.model, outcome.usage, price);
+            }
+            if outcome.usage.is_none() && outcome.result.is_ok() {
+                bill.usage_missing(&cand.model);
+            }
+            match outcome.result {
+                Ok(completion) => {
+                    break Finished::Ok {
+                        model: cand.model,
+                        completion,
+                    };
+                }
+                Err(CallError { class, message, .. }) => {
+                    let decision = plan.on_error(&class, rand::random::<f64>());
+                    tracing::debug!(job = %job.id, model = %cand.model, error = %message, ?decision, "attempt failed");
+                    match decision {
+                        Decision::RetryAfter(after) => {
+                            self.unless_draining(tokio::time::sleep(after)).await?
+                        }
+                        Decision::Switch(_) => {
+                            metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                        }
+                        Decision::Fail => {
+                            break Finished::Failed(format!("{}: {message}", cand.model));
+                        }
+                    }
+                }
+            }
+        };
+        Some(self.finish(d, &job, finished, &bill, attempts, &tried, started))
+    }
+
+    /// A slot for the plan's current model; if its pool stays busy past
+    /// `slots.acquire_timeout_ms`, a later model of the route with a free slot is used
+    /// instead, else it waits again. It never fails for lack of a slot alone; `None` only
+    /// when the slots are stopped (shutdown): the job is then left pending.
+    pub(super) async fn take_slot(&self, plan: &mut Plan) -> Option<Lease> {
+        let timeout = self.cfg.slots.acquire_timeout_ms;
+        let mut backoff = Backoff::new();
+        loop {
+            let pool = plan.current().pool.clone();
+            let acquired = self
+                .unless_draining(self.slots.acquire(&pool, timeout))
+                .await?;
+            match acquired {
+                Ok(l) => return Some(l),
+                Err(SlotError::Timeout { .. }) => {
+                    for i in plan.usable_alternatives() {
+                        let alt_pool = plan.candidates()[i].pool.clone();
+                        if alt_pool == pool {
+                            continue;
+                        }
+                        if let Ok(Some(l)) = self.slots.try_acquire(&alt_pool).await {
+                            plan.switch_to(i);
+                            metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                            return Some(l);
+                        }
+                    }
+                }
+                Err(SlotError::Stopped) => return None,
+                Err(e) => {
+                    // One line per job, not per retry: the reader logs the outage itself.
+                    if backoff.next == Duration::from_millis(100) {
+                        tracing::warn!(error = %e, pool = %pool, "cannot take a slot; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `fut`'s output, or `None` as soon as draining begins (the wait is dropped).
+    pub(super) async fn unless_draining<T>(
+        &self,
+        fut: impl std::future::Future<Output = T>,
+    ) -> Option<T> {
+        if self.draining.is_cancelled() {
+            return None;
+        }
+        tokio::select! {
+            v = fut => Some(v),
+            _ = self.draining.cancelled() => None,
+        }
+    }
+}
+
+pub(super) enum Finished {
+    Ok {
+        model: String,
+        completion: provider::Completion,
+    },
+    Failed(String),
+}
+
+/// Gives back a slot taken for a call that will not start (draining began).
+pub(super) async fn release_unused(lease: Lease) {
+    if let Err(e) = lease.release().await {
+        tracing::warn!(error = %e, "slot release failed; its TTL frees it");
+    }
+}
+
+/// Undoes a job task's bookkeeping on every exit, including a panic or the task being
+/// dropped: the entry leaves `active` (keepalive stops touching it, so a job whose task
+/// died is reclaimed after `queue.claim_idle_ms`), its permit is freed, `in_flight` drops.
+pub(super) struct JobGuard {
+    pub(super) worker: Arc<Worker>,
+    pub(super) entry_id: String,
+    /// `handle` returned (false on drop: the task panicked or was dropped mid-job).
+    pub(super) ended: bool,
+}
+
+impl Drop for JobGuard {
+    fn drop(&mut self) {
+        let w = &self.worker;
+        lock(&w.active).remove(&self.entry_id);
+        drop(lock(&w.permits).remove(&self.entry_id));
+        w.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if !self.ended {
+            tracing::error!(entry = %self.entry_id, "job task ended abnormally (panic); its job stays pending and is reclaimed after queue.claim_idle_ms");
+            metrics::counter!("llm_worker_job_panics_total").increment(1);
+        }
+    }
+}
+
+/// Aborts a helper task when the scope that spawned it ends.
+pub(super) struct AbortOnDrop(pub(super) tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+pub(super) fn class_label(c: &ErrorClass) -> &'static str {
+    match c {
+        ErrorClass::Transient => "transient",
+        ErrorClass::RateLimited { .. } => "rate_limited",
+        ErrorClass::ProviderRejected => "rejected",
+        ErrorClass::AccessDenied => "access_denied",
+        ErrorClass::ContextTooLong => "context_too_long",
+        ErrorClass::Fatal => "fatal",
+    }
+}
+
+/// Fault injection for the integration tests, compiled into debug builds only (release
+/// binaries carry none of it). `LLM_WORKER_DEBUG_PANIC_ONCE_JOB=<job id>`: the first task
+/// of this process that reaches the idempotency check for that id panics, as a bug in
+/// the job path would.
+#[cfg(debug_assertions)]
+pub(super) mod debug_hooks {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static FIRED: AtomicBool = AtomicBool::new(false);
+
+    pub(super) fn maybe_panic(job_id: &str) {
+        let Ok(target) = std::env::var("LLM_WORKER_DEBUG_PANIC_ONCE_JOB") else {
+            return;
+        };
+        if target == job_id && !FIRED.swap(true, Ordering::SeqCst) {
+            tracing::warn!(job = %job_id, "debug hook: panicking in the job task");
+            panic!("debug hook: LLM_WORKER_DEBUG_PANIC_ONCE_JOB={job_id}");
+        }
+    }
+}

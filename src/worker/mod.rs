@@ -1,0 +1,159 @@
+//! One job's lifecycle, and the reader loop that feeds jobs to at most
+//! `worker.concurrency` job tasks. Rooms: [`reader`] (read, reclaim, spawn), [`lifecycle`]
+//! (one job from parse to decision), [`bill`] (usage and exact cost), [`commit`] (the
+//! job's end written with its acknowledgement), [`keepalive`] (running entries kept
+//! ours); this file holds the `Worker` and the Redis `Backoff`.
+//!
+//! Invariants:
+//! - never more jobs read than there are free job permits (back-pressure: a job is read
+//!   only when a task can start on it at once);
+//! - a job is acknowledged only through [`Queue::commit`], together with its result;
+//! - one task per entry in this process: an entry in `active` is never started again (a
+//!   self-reclaim is skipped), and a task's bookkeeping is undone by its drop guard;
+//! - no provider call starts after the first signal; a job stopped by shutdown without a
+//!   result is handed back to the fleet (or, if Redis is away, left pending);
+//! - every provider call holds a slot of its model's pool for its whole duration.
+
+mod bill;
+mod commit;
+mod keepalive;
+mod lifecycle;
+mod reader;
+
+use bill::*;
+use keepalive::*;
+use lifecycle::*;
+
+use crate::config::Config;
+use crate::cost::Price;
+use crate::provider::{self, ProviderClient};
+use crate::queue::Queue;
+use crate::router::RetryPolicy;
+use crate::slots::Slots;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::state::WorkerState;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Provider(#[from] provider::ProviderError),
+}
+
+pub struct Worker {
+    cfg: Arc<Config>,
+    queue: Queue,
+    slots: Slots,
+    providers: HashMap<String, Arc<ProviderClient>>,
+    prices: HashMap<String, Price>,
+    policy: RetryPolicy,
+    pub state: Arc<WorkerState>,
+    /// Entries this process is working on: entry id -> job id (for keepalive; empty until
+    /// the payload is parsed). An entry is added when its task is spawned and removed by
+    /// the task's [`JobGuard`] on any exit (return, panic, cancellation), so keepalive
+    /// never keeps alive an entry nobody works on, and no second task starts on it.
+    active: Mutex<HashMap<String, String>>,
+    /// The job permit of each running task, by entry id. A copy of a busy job id gives
+    /// its permit back while it waits (`wait_for_busy_id`); the guard drops the rest.
+    permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
+    /// At most `worker.concurrency` job tasks hold a permit.
+    sem: Arc<Semaphore>,
+    /// Fired on the first signal (mirrors `run`'s `stop`): no job starts a provider call
+    /// after it; jobs not yet calling give up and are handed back.
+    draining: CancellationToken,
+    /// Fired when the reader loop has ended: hand-backs wait for it, so a draining worker
+    /// never reads its own handed-back entries (its last blocking read is not cut short).
+    reader_stopped: CancellationToken,
+}
+
+impl Worker {
+    pub fn new(cfg: Arc<Config>, queue: Queue, slots: Slots) -> Result<Worker, WorkerError> {
+        let cfg_concurrency = cfg.worker.concurrency.get();
+        let mut providers = HashMap::new();
+        for (name, p) in &cfg.providers {
+            providers.insert(name.clone(), Arc::new(ProviderClient::new(name, p)?));
+        }
+        let prices = cfg
+            .models
+            .iter()
+            .map(|(n, m)| {
+                (
+                    n.clone(),
+                    Price {
+                        input_per_mtok: m.input_per_mtok,
+                        output_per_mtok: m.output_per_mtok,
+                        cached_input_per_mtok: m.cached_input_per_mtok,
+                    },
+                )
+            })
+            .collect();
+        let policy = RetryPolicy {
+            max_attempts_per_model: cfg.retry.max_attempts_per_model.get(),
+            base_delay: cfg.retry.base_delay_ms,
+            max_delay: cfg.retry.max_delay_ms,
+            max_retry_after: cfg.retry.max_retry_after_ms,
+        };
+        Ok(Worker {
+            cfg,
+            queue,
+            slots,
+            providers,
+            prices,
+            policy,
+            state: Arc::new(WorkerState::default()),
+            active: Mutex::new(HashMap::new()),
+            permits: Mutex::new(HashMap::new()),
+            sem: Arc::new(Semaphore::new(cfg_concurrency)),
+            draining: CancellationToken::new(),
+            reader_stopped: CancellationToken::new(),
+        })
+    }
+}
+
+/// Jittered exponential backoff for Redis reconnects: 100 ms doubling to 5 s.
+pub struct Backoff {
+    pub next: Duration,
+}
+
+impl Backoff {
+    pub fn new() -> Backoff {
+        Backoff {
+            next: Duration::from_millis(100),
+        }
+    }
+    pub fn reset(&mut self) {
+        self.next = Duration::from_millis(100);
+    }
+    /// Sleeps (cut short by `cancel`) and doubles the next delay.
+    pub async fn sleep(&mut self, cancel: &CancellationToken) {
+        self.sleep_jittered(rand::random::<f64>(), cancel).await;
+    }
+
+    /// [`Backoff::sleep`] with the jitter given (in [0, 1)): sleeps `next * (1 + jitter) / 2`
+    /// on tokio's clock, so a test with `tokio::time::pause()` sees exact durations.
+    pub async fn sleep_jittered(&mut self, jitter: f64, cancel: &CancellationToken) {
+        let d = self.next_delay(jitter);
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = cancel.cancelled() => {}
+        }
+    }
+
+    /// The delay of this step (`next` x a factor in [0.5, 1) from `jitter`), and doubles
+    /// `next` up to 5 s.
+    pub fn next_delay(&mut self, jitter: f64) -> Duration {
+        let d = self.next.mul_f64(0.5 + jitter.clamp(0.0, 1.0) / 2.0);
+        self.next = (self.next * 2).min(Duration::from_secs(5));
+        d
+    }
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff::new()
+    }
+}

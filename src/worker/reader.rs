@@ -1,0 +1,248 @@
+//! The reader: XAUTOCLAIM of stalled entries, XREADGROUP of new ones (only as many as
+//! there are free job permits), one task per job; the sweep of idle empty consumers.
+//!
+//! Invariant: never more jobs read than there are free job permits, and never a second
+//! task for an entry this process already runs.
+
+use crate::connect::blocking_connection;
+use crate::queue::{Delivery, QueueError};
+use crate::sync::lock;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::*;
+
+impl Worker {
+    /// Reads jobs until `stop` fires, then waits for the job tasks to end. Tasks whose
+    /// provider call runs finish their jobs unless `abort` fires (the shutdown module fires
+    /// it after the grace period); tasks not yet calling (waiting for a slot, the rate
+    /// limit, a busy id, or in a retry backoff) stop at once. Both hand their jobs back.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken, abort: CancellationToken) {
+        let sem = self.sem.clone();
+        let tracker = TaskTracker::new();
+        let draining = self.draining.clone();
+        let stop_watch = stop.clone();
+        let mirror = tokio::spawn(async move {
+            stop_watch.cancelled().await;
+            draining.cancel();
+        });
+        let _mirror_guard = AbortOnDrop(mirror);
+        let prune_idle = self.cfg.queue.consumer_idle_remove_ms;
+        let prune_every =
+            (prune_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(60));
+        let mut next_prune = tokio::time::Instant::now();
+        let block = self.cfg.queue.block_ms;
+        let mut conn = None;
+        let mut backoff = Backoff::new();
+        let claim_idle = self.cfg.queue.claim_idle_ms;
+        let reclaim_every =
+            (claim_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
+        let mut next_reclaim = Instant::now();
+        let keeper_stop = CancellationToken::new();
+        let keeper = tokio::spawn(self.clone().keep_alive(keeper_stop.clone()));
+        self.state.taking_jobs.store(true, Ordering::SeqCst);
+        loop {
+            let first = tokio::select! {
+                p = sem.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                _ = stop.cancelled() => break,
+            };
+            if stop.is_cancelled() {
+                break;
+            }
+            let mut permits = vec![first];
+            while let Ok(p) = sem.clone().try_acquire_owned() {
+                permits.push(p);
+            }
+            if conn.is_none() {
+                match self.connect_reader().await {
+                    Ok(c) => conn = Some(c),
+                    Err(e) => {
+                        self.redis_down(&e);
+                        backoff.sleep(&stop).await;
+                        continue;
+                    }
+                }
+            }
+            // Take over jobs of stalled workers first (on start, then periodically).
+            if Instant::now() >= next_reclaim {
+                next_reclaim = Instant::now() + reclaim_every;
+                match self.queue.reclaim(permits.len()).await {
+                    Ok(r) => {
+                        for id in &r.deleted {
+                            tracing::warn!(entry = %id, "pending job was deleted from the stream; acknowledged without a result");
+                            metrics::counter!("llm_worker_jobs_deleted_while_pending_total")
+                                .increment(1);
+                        }
+                        let (ours, others): (Vec<Delivery>, Vec<Delivery>) = r
+                            .deliveries
+                            .into_iter()
+                            .partition(|d| self.is_active(&d.entry_id));
+                        if !others.is_empty() {
+                            tracing::info!(
+                                count = others.len(),
+                                "took over jobs pending longer than queue.claim_idle_ms"
+                            );
+                            metrics::counter!("llm_worker_jobs_reclaimed_total")
+                                .increment(others.len() as u64);
+                        }
+                        for d in ours {
+                            // Our own running entry, reclaimed because its keepalive
+                            // lagged: it already has a task (and maybe a paid call).
+                            tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running; not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
+                            metrics::counter!("llm_worker_self_reclaims_skipped_total")
+                                .increment(1);
+                        }
+                        for d in others {
+                            let Some(permit) = permits.pop() else { break };
+                            self.spawn_job(&tracker, d, permit, &abort);
+                        }
+                        if permits.is_empty() {
+                            continue;
+                        }
+                    }
+                    Err(e) => {
+                        conn = None;
+                        self.redis_down(&e);
+                        backoff.sleep(&stop).await;
+                        continue;
+                    }
+                }
+            }
+            if tokio::time::Instant::now() >= next_prune {
+                next_prune = tokio::time::Instant::now() + prune_every;
+                self.prune_consumers(prune_idle).await;
+            }
+            let Some(c) = conn.as_mut() else { continue };
+            // Not raced against `stop`: entries Redis hands us must reach a task, or they
+            // would sit pending until another worker reclaims them. BLOCK is short. Only
+            // `abort` (grace over, or Redis hanging) cuts a read short.
+            let read = tokio::select! {
+                r = self.queue.read_new(c, permits.len(), block) => r,
+                _ = abort.cancelled() => break,
+            };
+            match read {
+                Ok(deliveries) => {
+                    self.redis_up();
+                    backoff.reset();
+                    for d in deliveries {
+                        let Some(permit) = permits.pop() else { break };
+                        self.spawn_job(&tracker, d, permit, &abort);
+                    }
+                }
+                Err(e) => {
+                    conn = None;
+                    self.redis_down(&e);
+                    backoff.sleep(&stop).await;
+                }
+            }
+        }
+        self.state.taking_jobs.store(false, Ordering::SeqCst);
+        self.reader_stopped.cancel();
+        tracker.close();
+        let _keeper_guard = KeeperGuard(keeper_stop, keeper);
+        let mut tick = tokio::time::interval(Duration::from_secs(2));
+        tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = tracker.wait() => break,
+                _ = tick.tick() => tracing::info!(
+                    in_flight = self.state.in_flight.load(Ordering::SeqCst),
+                    aborting = abort.is_cancelled(),
+                    "draining: jobs still in flight"
+                ),
+            }
+        }
+    }
+
+    /// Starts a task on `d`. The entry joins `active` now (so a reclaim of it is skipped
+    /// while the task lives), and its [`JobGuard`] undoes everything on any exit.
+    pub(super) fn spawn_job(
+        self: &Arc<Self>,
+        tracker: &TaskTracker,
+        d: Delivery,
+        permit: OwnedSemaphorePermit,
+        abort: &CancellationToken,
+    ) {
+        lock(&self.active).insert(d.entry_id.clone(), String::new());
+        lock(&self.permits).insert(d.entry_id.clone(), permit);
+        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
+        let guard = JobGuard {
+            worker: self.clone(),
+            entry_id: d.entry_id.clone(),
+            ended: false,
+        };
+        let me = self.clone();
+        let abort = abort.clone();
+        tracker.spawn(async move {
+            let mut guard = guard; // moved in whole: dropped with the task, whatever ends it
+            me.handle(d, abort).await;
+            guard.ended = true;
+        });
+    }
+
+    pub(super) fn is_active(&self, entry_id: &str) -> bool {
+        lock(&self.active).contains_key(entry_id)
+    }
+
+    /// The reclaimer's sweep of consumers left by stopped workers (see
+    /// [`Queue::remove_consumers`]). Failures are logged only: the next sweep retries.
+    pub(super) async fn prune_consumers(&self, idle: Duration) {
+        let sweep = self.queue.remove_consumers(Some(idle));
+        match tokio::time::timeout(Duration::from_secs(2), sweep).await {
+            Ok(Ok(names)) => {
+                for n in names {
+                    tracing::info!(consumer = %n, idle_ms = idle.as_millis() as u64, "removed an idle consumer with no pending job from the group");
+                    metrics::counter!("llm_worker_consumers_removed_total").increment(1);
+                }
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "consumer sweep failed; retrying later"),
+            Err(_) => tracing::debug!("consumer sweep timed out; retrying later"),
+        }
+    }
+
+    /// At a clean exit: removes this worker's consumer from the group if it owns no
+    /// pending entry (else it stays, so its entries can still be reclaimed). Bounded.
+    pub async fn remove_own_consumer(&self) {
+        let own = self.queue.remove_consumers(None);
+        match tokio::time::timeout(Duration::from_millis(1000), own).await {
+            Ok(Ok(n)) if !n.is_empty() => {
+                tracing::info!("removed this worker's consumer from the group")
+            }
+            Ok(Ok(_)) => tracing::info!(
+                "consumer kept in the group: it still owns pending jobs (another worker reclaims them)"
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not remove this worker's consumer; the reclaimer of another worker removes it later")
+            }
+            Err(_) => tracing::warn!(
+                "removing this worker's consumer timed out; the reclaimer of another worker removes it later"
+            ),
+        }
+    }
+
+    pub(super) async fn connect_reader(
+        &self,
+    ) -> Result<redis::aio::MultiplexedConnection, QueueError> {
+        let c = blocking_connection(&self.cfg).await?;
+        self.queue.ensure_group().await?;
+        Ok(c)
+    }
+
+    pub(super) fn redis_down(&self, e: &QueueError) {
+        if self.state.redis_ok.swap(false, Ordering::SeqCst) {
+            tracing::error!(error = %e, "Redis unreachable; not taking jobs until it answers");
+        }
+        metrics::counter!("llm_worker_redis_errors_total").increment(1);
+    }
+
+    pub(super) fn redis_up(&self) {
+        if !self.state.redis_ok.swap(true, Ordering::SeqCst) {
+            tracing::info!("Redis reachable; taking jobs");
+        }
+    }
+}
