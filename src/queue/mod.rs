@@ -201,6 +201,22 @@ pub struct Commit {
     pub costs: Vec<(String, i64)>,
 }
 
+impl Commit {
+    /// A commit that writes `result` for `entry_id` and nothing else: no dead letter, no
+    /// id markers, no cost totals. Callers add those with struct update syntax.
+    pub fn result_only(entry_id: &str, result: ResultEntry) -> Commit {
+        Commit {
+            entry_id: entry_id.to_string(),
+            status: result.status.as_str().to_string(),
+            result: result.into_fields(),
+            dead: vec![],
+            dedupe_id: None,
+            inflight_id: None,
+            costs: vec![],
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Queue {
     pub keys: Keys,

@@ -141,15 +141,7 @@ impl Worker {
                 r
             }
         };
-        Commit {
-            entry_id: d.entry_id.clone(),
-            result: result.into_fields(),
-            dead: vec![],
-            dedupe_id: None,
-            inflight_id: None,
-            status: ResultStatus::Failed.as_str().into(),
-            costs: vec![],
-        }
+        Commit::result_only(&d.entry_id, result)
     }
 
     /// A result of `status` for this delivery with no model call counted yet.
@@ -186,16 +178,13 @@ impl Worker {
         let dead = DeadLetter::new(&d.entry_id, job_id, reason, d.deliveries, d.fields.clone());
         metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
         Commit {
-            entry_id: d.entry_id.clone(),
-            result: result.into_fields(),
             dead: dead.into_fields(),
             // A dead job with a known id has a result: later copies of the id are duplicates.
             dedupe_id: job_id
                 .filter(|_| status == ResultStatus::Dead)
                 .map(str::to_string),
             inflight_id: job_id.map(str::to_string),
-            status: status.as_str().to_string(),
-            costs: vec![],
+            ..Commit::result_only(&d.entry_id, result)
         }
     }
 
@@ -236,13 +225,10 @@ impl Worker {
         metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
         metrics::histogram!("llm_worker_job_seconds").record(started.elapsed().as_secs_f64());
         Commit {
-            entry_id: d.entry_id.clone(),
-            result: result.into_fields(),
-            dead: vec![],
             dedupe_id: Some(job.id.clone()),
             inflight_id: Some(job.id.clone()),
-            status: status.as_str().to_string(),
             costs: bill.cost_fields(),
+            ..Commit::result_only(&d.entry_id, result)
         }
     }
 
@@ -270,15 +256,7 @@ impl Worker {
         result.copy_answer(original);
         result.duplicate_of = Some(result_id.to_string());
         result.metadata = job.metadata.as_ref().map(|m| m.to_string());
-        Commit {
-            entry_id: d.entry_id.clone(),
-            result: result.into_fields(),
-            dead: vec![],
-            dedupe_id: None,
-            inflight_id: None,
-            status: status.to_string(),
-            costs: vec![],
-        }
+        Commit::result_only(&d.entry_id, result)
     }
 }
 
