@@ -13,7 +13,7 @@
 //! waiter task, exactly as separate worker processes would have.
 
 use llm_worker::config::Config;
-use llm_worker::connect::command_pool;
+use llm_worker::connect::commands;
 #[path = "../tests/common/mod.rs"]
 mod common;
 use llm_worker::slots::Slots;
@@ -137,7 +137,7 @@ async fn contended_new(url: &str, admin: &mut redis::aio::MultiplexedConnection)
     let bg = CancellationToken::new();
     for p in 0..PROCS {
         let cfg = config(url, &format!("proc{p}"));
-        let pool = command_pool(&cfg, 16).expect("pool");
+        let pool = commands(&cfg).expect("pool");
         let slots = Slots::connect(&cfg, pool).await.expect("slots");
         slots.spawn_background(bg.clone());
         procs.push(slots);
@@ -279,7 +279,7 @@ async fn main() {
 
     // Uncontended.
     let cfg = config(&url, "solo");
-    let slots = Slots::connect(&cfg, command_pool(&cfg, 4).expect("pool"))
+    let slots = Slots::connect(&cfg, commands(&cfg).expect("pool"))
         .await
         .expect("slots");
     let bg = CancellationToken::new();

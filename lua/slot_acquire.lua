@@ -8,6 +8,8 @@
 -- ARGV[3] '1' = on failure, enqueue this process as a waiter
 -- ARGV[4] waiter liveness ttl ms         ARGV[5] prefix of waiter liveness keys
 -- ARGV[6] stall gap ms                   ARGV[7] prefix of the pool's slot keys
+-- ARGV[8] index to try first (the slot this process released last: usually free, so a
+--         busy pool costs one SET NX instead of a scan over every held slot)
 --
 -- Fairness: while live waiters are queued, only the queue's head may take a free slot
 -- (a slot freed by expiry goes to the longest waiter, not to whoever asks first).
@@ -29,13 +31,16 @@ while true do
   redis.call('ZREM', KEYS[1], h[1])
 end
 if head == nil or head == token then
-  for k = 3, #KEYS do
-    if redis.call('SET', KEYS[k], token, 'NX', 'PX', ARGV[2]) then
-      slot_note(KEYS[2], k - 3, token, now, ARGV[2])
+  local n = #KEYS - 2
+  local first = (tonumber(ARGV[8]) or 0) % n
+  for j = 0, n - 1 do
+    local i = (first + j) % n
+    if redis.call('SET', KEYS[i + 3], token, 'NX', 'PX', ARGV[2]) then
+      slot_note(KEYS[2], i, token, now, ARGV[2])
       if head == token then
         redis.call('ZREM', KEYS[1], token)
       end
-      return {k - 3, 0}
+      return {i, 0}
     end
   end
 end

@@ -56,6 +56,14 @@ pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
     Ok(client.get_connection_info().clone())
 }
 
+/// The shared connection for ordinary (non-blocking) commands (see [`Commands`]).
+pub fn commands(cfg: &Config) -> Result<Commands, ConnectError> {
+    Ok(Commands::new(
+        command_pool(cfg, 4)?,
+        cfg.redis.command_timeout_ms,
+    ))
+}
+
 /// A pool for ordinary (non-blocking) commands.
 pub fn command_pool(cfg: &Config, size: usize) -> Result<deadpool_redis::Pool, ConnectError> {
     // The manager is built from our ConnectionInfo directly (not deadpool's serialisable
@@ -84,5 +92,129 @@ pub async fn blocking_connection(cfg: &Config) -> Result<MultiplexedConnection, 
     match tokio::time::timeout(Duration::from_secs(3), fut).await {
         Ok(r) => Ok(r?),
         Err(_) => Err(ConnectError::Timeout(Duration::from_secs(3))),
+    }
+}
+
+/// The connection for ordinary (non-blocking) commands, shared by every task of the
+/// process: one multiplexed connection on which concurrent commands pipeline, taken from
+/// the deadpool-redis pool once and kept, so no command pays the pool's per-checkout
+/// `UNWATCH` + `PING` round trip.
+///
+/// Invariant: a connection on which a command failed with a timeout, an IO error or a
+/// dropped connection is never used again: the next [`Commands::get`] takes a fresh one
+/// from the pool. (redis-rs discards the late reply of a timed-out command rather than
+/// handing it to the next one, but a socket cut off by a partition would make every
+/// later command wait out its own timeout too.)
+#[derive(Clone)]
+pub struct Commands {
+    inner: std::sync::Arc<CommandsInner>,
+}
+
+struct CommandsInner {
+    pool: deadpool_redis::Pool,
+    timeout: Duration,
+    /// The connection in use and its generation (bumped each time one is dropped).
+    current: std::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
+}
+
+impl Commands {
+    /// Commands on connections from `pool`, each command bounded by `timeout`.
+    pub fn new(pool: deadpool_redis::Pool, timeout: Duration) -> Commands {
+        Commands {
+            inner: std::sync::Arc::new(CommandsInner {
+                pool,
+                timeout,
+                current: std::sync::Mutex::new((0, None)),
+            }),
+        }
+    }
+
+    /// The pool behind it (tools and tests that want a connection of their own).
+    pub fn pool(&self) -> &deadpool_redis::Pool {
+        &self.inner.pool
+    }
+
+    /// The shared connection (a cheap clone), connecting first if there is none.
+    pub async fn get(&self) -> Result<CommandConn, deadpool_redis::PoolError> {
+        {
+            let cur = crate::sync::lock(&self.inner.current);
+            if let Some(c) = &cur.1 {
+                return Ok(CommandConn {
+                    conn: c.clone(),
+                    generation: cur.0,
+                    owner: self.clone(),
+                });
+            }
+        }
+        let mut fresh = deadpool_redis::Connection::take(self.inner.pool.get().await?);
+        fresh.set_response_timeout(self.inner.timeout);
+        let mut cur = crate::sync::lock(&self.inner.current);
+        // Another task may have connected meanwhile: keep one connection.
+        let conn = cur.1.get_or_insert(fresh).clone();
+        Ok(CommandConn {
+            conn,
+            generation: cur.0,
+            owner: self.clone(),
+        })
+    }
+
+    /// Drops the connection of `generation` (if still the current one).
+    fn discard(&self, generation: u64) {
+        let mut cur = crate::sync::lock(&self.inner.current);
+        if cur.0 == generation && cur.1.is_some() {
+            cur.1 = None;
+            cur.0 += 1;
+            tracing::debug!(
+                generation,
+                "redis command connection dropped after a timeout or IO error"
+            );
+        }
+    }
+}
+
+/// One use of the shared command connection: a [`redis::aio::ConnectionLike`] that drops
+/// the connection for everyone after a timeout or IO error (see [`Commands`]).
+pub struct CommandConn {
+    conn: MultiplexedConnection,
+    generation: u64,
+    owner: Commands,
+}
+
+impl CommandConn {
+    fn check<T>(&self, r: redis::RedisResult<T>) -> redis::RedisResult<T> {
+        if let Err(e) = &r
+            && (e.is_timeout() || e.is_io_error() || e.is_connection_dropped())
+        {
+            self.owner.discard(self.generation);
+        }
+        r
+    }
+}
+
+impl redis::aio::ConnectionLike for CommandConn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            let r = self.conn.req_packed_command(cmd).await;
+            self.check(r)
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            let r = self.conn.req_packed_commands(pipeline, offset, count).await;
+            self.check(r)
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.conn.get_db()
     }
 }

@@ -7,7 +7,7 @@
 //! worker's consumer removed from the group (if it owns no pending entry), then return.
 
 use crate::config::Config;
-use crate::connect::command_pool;
+use crate::connect::commands;
 use crate::queue::{Queue, QueueError};
 use crate::server;
 use crate::shutdown::Shutdown;
@@ -45,7 +45,7 @@ pub async fn run(
     state_out: Option<tokio::sync::oneshot::Sender<Arc<WorkerState>>>,
 ) -> Result<(), DaemonError> {
     let cfg = Arc::new(cfg);
-    let pool = command_pool(&cfg, cfg.worker.concurrency.get() + 8)?;
+    let pool = commands(&cfg)?;
     let queue = Queue::new(&cfg, pool.clone());
     let background = CancellationToken::new();
 

@@ -11,6 +11,10 @@ use serde_json::{Map, Value};
 pub struct Job {
     /// The producer's `id`, or the stream entry id.
     pub id: String,
+    /// The producer gave the `id`: it is an idempotency key (result marker, in-progress
+    /// marker). A job without one is identified by its stream entry alone, whose
+    /// pending-ness already gives one result per entry: it leaves no marker behind.
+    pub keyed: bool,
     pub route: String,
     /// First choice of model, if the job named one.
     pub model: Option<String>,
@@ -153,11 +157,12 @@ pub fn parse(
     };
     let model = opt_str("model")?;
     let route = opt_str("route")?.unwrap_or_else(|| "default".to_string());
-    let id = match body.get("id") {
+    let given = match body.get("id") {
         Some(Value::Number(n)) => Some(n.to_string()),
         _ => opt_str("id")?,
-    }
-    .unwrap_or_else(|| entry_id.to_string());
+    };
+    let keyed = given.is_some();
+    let id = given.unwrap_or_else(|| entry_id.to_string());
     if id.len() > 512 {
         return Err(bad("id", "must be at most 512 bytes"));
     }
@@ -196,6 +201,7 @@ pub fn parse(
     let metadata = body.get("metadata").filter(|m| !m.is_null()).cloned();
     Ok(Job {
         id,
+        keyed,
         route,
         model,
         body,

@@ -47,11 +47,11 @@
 //!   misconfigured pod cannot overshoot the quota.
 
 use crate::config::Config;
-use crate::connect::{ConnectError, blocking_connection};
+use crate::connect::{Commands, ConnectError, blocking_connection};
 use crate::sync::lock;
 use redis::aio::MultiplexedConnection;
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{Notify, oneshot};
@@ -162,6 +162,8 @@ struct PoolState {
     waiters: Mutex<VecDeque<Waiter>>,
     /// When the driver should next try on its own (nearest lease expiry).
     next_check: Mutex<Instant>,
+    /// The slot this process released last: the acquire script tries it first.
+    hint: AtomicU32,
 }
 
 impl PoolState {
@@ -180,7 +182,7 @@ struct Held {
 }
 
 struct Inner {
-    pool: deadpool_redis::Pool,
+    conn: Commands,
     cfg: Config,
     keys: SlotKeys,
     token: String,
@@ -227,23 +229,21 @@ enum Try {
 
 impl Slots {
     /// Records (or reads) each pool's fleet-wide N and prepares the scripts. Needs Redis.
-    pub async fn connect(cfg: &Config, pool: deadpool_redis::Pool) -> Result<Slots, SlotError> {
+    pub async fn connect(cfg: &Config, conn: Commands) -> Result<Slots, SlotError> {
         let keys = SlotKeys::new(&cfg.queue.namespace);
         let mut pools = HashMap::new();
         {
-            let mut conn = pool.get().await?;
+            let mut c = conn.get().await?;
             for (name, pc) in &cfg.pools {
                 let size_key = keys.pool_size(name);
                 let _: Option<String> = redis::cmd("SET")
                     .arg(&size_key)
                     .arg(pc.slots)
                     .arg("NX")
-                    .query_async(&mut *conn)
+                    .query_async(&mut c)
                     .await?;
-                let recorded: Option<u32> = redis::cmd("GET")
-                    .arg(&size_key)
-                    .query_async(&mut *conn)
-                    .await?;
+                let recorded: Option<u32> =
+                    redis::cmd("GET").arg(&size_key).query_async(&mut c).await?;
                 let size = match recorded {
                     Some(n) if n > 0 => n,
                     _ => pc.slots.get(),
@@ -271,6 +271,7 @@ impl Slots {
                         lease_key: keys.lease(name),
                         waiters: Mutex::new(VecDeque::new()),
                         next_check: Mutex::new(Instant::now()),
+                        hint: AtomicU32::new(0),
                     },
                 );
             }
@@ -282,7 +283,7 @@ impl Slots {
         );
         Ok(Slots {
             inner: Arc::new(Inner {
-                pool,
+                conn,
                 cfg: cfg.clone(),
                 keys,
                 token,
@@ -426,8 +427,8 @@ impl Slots {
                 inv.arg(i);
             }
         }
-        let mut conn = inner.pool.get().await?;
-        let (released, handed, _): (u64, u64, u64) = inv.invoke_async(&mut *conn).await?;
+        let mut conn = inner.conn.get().await?;
+        let (released, handed, _): (u64, u64, u64) = inv.invoke_async(&mut conn).await?;
         for (_, h) in lock(&inner.held).drain() {
             h.lost.store(true, Ordering::SeqCst); // their own release must not run again
         }
@@ -486,9 +487,10 @@ async fn try_take(inner: &Inner, ps: &PoolState, enqueue: bool) -> Result<Try, S
         .arg(WAITER_ALIVE_MS)
         .arg(inner.keys.waiter_alive_prefix())
         .arg(stall_gap(inner.ttl).as_millis() as u64)
-        .arg(&ps.slot_prefix);
-    let mut conn = inner.pool.get().await?;
-    let (i, wait): (i64, i64) = inv.invoke_async(&mut *conn).await?;
+        .arg(&ps.slot_prefix)
+        .arg(ps.hint.load(Ordering::Relaxed));
+    let mut conn = inner.conn.get().await?;
+    let (i, wait): (i64, i64) = inv.invoke_async(&mut conn).await?;
     Ok(if i >= 0 {
         Try::Got(i as u32)
     } else {
@@ -604,8 +606,9 @@ async fn release_lease(
         .arg(&ps.slot_prefix)
         .arg(1)
         .arg(idx);
-    let mut conn = inner.pool.get().await?;
-    let (_, _, not_ours): (u64, u64, u64) = inv.invoke_async(&mut *conn).await?;
+    let mut conn = inner.conn.get().await?;
+    let (_, _, not_ours): (u64, u64, u64) = inv.invoke_async(&mut conn).await?;
+    ps.hint.store(idx, Ordering::Relaxed);
     if not_ours > 0 {
         lease_lost(pool, idx, "found expired or taken at release");
     }
@@ -826,8 +829,8 @@ async fn renew(
             order.push(n);
         }
     }
-    let mut conn = inner.pool.get().await?;
-    let flags: Vec<i64> = inv.invoke_async(&mut *conn).await?;
+    let mut conn = inner.conn.get().await?;
+    let flags: Vec<i64> = inv.invoke_async(&mut conn).await?;
     let mut out = vec![Renewed::Lost; items.len()];
     for (n, f) in order.into_iter().zip(flags) {
         out[n] = match f {

@@ -72,7 +72,7 @@ async fn xclaim(
 
 async fn queue_for(redis: &RedisServer, sim: &SimHandle) -> Queue {
     let cfg = TestConfig::new(redis, sim).parsed();
-    let pool = llm_worker::connect::command_pool(&cfg, 4).expect("pool");
+    let pool = llm_worker::connect::commands(&cfg).expect("pool");
     Queue::new(&cfg, pool)
 }
 
@@ -414,7 +414,7 @@ async fn a_reply_lost_after_the_commit_counts_as_written() -> anyhow::Result<()>
     let q2 = {
         let mut cfg = TestConfig::new(&redis, &sim).parsed();
         cfg.queue.consumer = "someone-else-2".into();
-        let pool = llm_worker::connect::command_pool(&cfg, 4)?;
+        let pool = llm_worker::connect::commands(&cfg)?;
         Queue::new(&cfg, pool)
     };
     let sup = format!("{:?}", q2.commit(&other).await?);
@@ -626,15 +626,19 @@ struct NetnsRedis {
 impl NetnsRedis {
     /// `None` when network namespaces cannot be made here (not root, no `ip`).
     fn start() -> Option<NetnsRedis> {
+        // Several namespaces per test process (tests run in parallel threads): a
+        // sequence number joins the process id in every name and address.
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst) % 10;
         let pid = std::process::id();
-        let tag = pid % 100_000;
+        let tag = (pid % 10_000) * 10 + seq;
         let ns = format!("lwc{tag}");
         if !ip(&["netns", "add", &ns]) {
             return None;
         }
         let (host_if, peer_if) = (format!("lwh{tag}"), format!("lwp{tag}"));
         let third = 100 + (pid % 100);
-        let base = 4 * ((pid / 100) % 63);
+        let base = 4 * ((pid / 100 + seq) % 63);
         let host_addr = format!("169.254.{third}.{}", base + 1);
         let addr = format!("169.254.{third}.{}", base + 2);
         let dir = tempfile::tempdir().expect("tempdir");
@@ -846,7 +850,7 @@ async fn failed_id_pushed_again_runs_again_then_is_a_duplicate() -> anyhow::Resu
 fn queue_as(redis: &RedisServer, sim: &SimHandle, consumer: &str) -> Queue {
     let mut cfg = TestConfig::new(redis, sim).parsed();
     cfg.queue.consumer = consumer.into();
-    let pool = llm_worker::connect::command_pool(&cfg, 4).expect("pool");
+    let pool = llm_worker::connect::commands(&cfg).expect("pool");
     Queue::new(&cfg, pool)
 }
 
@@ -860,7 +864,7 @@ fn queue_named(redis: &RedisServer, who: &str) -> Queue {
         TestConfig::with_urls(&redis.url(), "127.0.0.1:9".parse().expect("addr")).parsed();
     cfg.queue.claim_idle_ms = Duration::from_millis(3000);
     cfg.queue.consumer = who.to_string();
-    let pool = llm_worker::connect::command_pool(&cfg, 4).expect("pool");
+    let pool = llm_worker::connect::commands(&cfg).expect("pool");
     Queue::new(&cfg, pool)
 }
 
@@ -956,5 +960,86 @@ async fn keepalive_recreates_a_lapsed_in_progress_marker() -> anyhow::Result<()>
     a.keepalive(&[(ids[0].clone(), "mk-0".to_string())]).await?;
     let got: Option<String> = conn.get(&marker).await?;
     assert_eq!(got.as_deref(), Some("other-entry"));
+    Ok(())
+}
+
+/// Issue 9's guard on the shared command connection: a command that timed out during a
+/// partition leaves its connection behind; the next command runs on a fresh one (another
+/// CLIENT ID), and every answer after the link is back belongs to its own command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_timed_out_in_a_partition_is_never_answered_on_a_reused_connection()
+-> anyhow::Result<()> {
+    let Some(redis) = NetnsRedis::start() else {
+        eprintln!(
+            "SKIPPED a_command_timed_out_in_a_partition_is_never_answered_on_a_reused_connection: `ip netns add` is unavailable here (needs root and iproute2)"
+        );
+        return Ok(());
+    };
+    let unused: std::net::SocketAddr = "127.0.0.1:9".parse()?;
+    let cfg = TestConfig::with_urls(&redis.url(), unused).parsed();
+    let timeout = cfg.redis.command_timeout_ms;
+    let cmds = llm_worker::connect::commands(&cfg)?;
+    let mut c = cmds.get().await?;
+    for i in 0..20 {
+        let _: () = redis::cmd("SET")
+            .arg(format!("k{i}"))
+            .arg(format!("v{i}"))
+            .query_async(&mut c)
+            .await?;
+    }
+    let before: i64 = redis::cmd("CLIENT").arg("ID").query_async(&mut c).await?;
+    redis.link(false);
+    let mut timed_out = 0;
+    for i in 0..10 {
+        let r: redis::RedisResult<String> = redis::cmd("GET")
+            .arg(format!("k{i}"))
+            .query_async(&mut c)
+            .await;
+        match r {
+            Err(e) if e.is_timeout() => timed_out += 1,
+            other => anyhow::bail!("GET during the partition: expected a timeout, got {other:?}"),
+        }
+    }
+    assert_eq!(timed_out, 10);
+    redis.link(true);
+    // Late replies of the timed-out GETs arrive once TCP retransmits; give them time.
+    let mut c2 = None;
+    let ok = wait_for(Duration::from_secs(20), || {
+        let cmds = cmds.clone();
+        async move { cmds.get().await.is_ok() }
+    })
+    .await;
+    assert!(ok, "no connection after the link came back");
+    for round in 0..3 {
+        let mut fresh = cmds.get().await?;
+        let after: redis::RedisResult<i64> =
+            redis::cmd("CLIENT").arg("ID").query_async(&mut fresh).await;
+        let Ok(after) = after else {
+            // The first command after the link is back may still race a reconnect.
+            tokio::time::sleep(timeout).await;
+            continue;
+        };
+        assert_ne!(
+            after, before,
+            "round {round}: the timed-out connection was reused"
+        );
+        for i in (0..20).rev() {
+            let v: String = redis::cmd("GET")
+                .arg(format!("k{i}"))
+                .query_async(&mut fresh)
+                .await?;
+            assert_eq!(
+                v,
+                format!("v{i}"),
+                "GET k{i} answered with another command's reply"
+            );
+        }
+        c2 = Some(after);
+        break;
+    }
+    assert!(
+        c2.is_some(),
+        "no command succeeded after the link came back"
+    );
     Ok(())
 }

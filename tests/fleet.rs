@@ -349,7 +349,7 @@ async fn sigstop_past_ttl_then_sigcont_detects_lost_lease() -> anyhow::Result<()
 async fn slots_for(tc: &TestConfig, consumer: &str, cancel: &CancellationToken) -> Slots {
     let mut cfg = tc.parsed();
     cfg.queue.consumer = consumer.to_string();
-    let pool = llm_worker::connect::command_pool(&cfg, 16).expect("pool");
+    let pool = llm_worker::connect::commands(&cfg).expect("pool");
     let s = tokio::time::timeout(Duration::from_secs(5), Slots::connect(&cfg, pool))
         .await
         .expect("connect in time")

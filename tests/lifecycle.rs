@@ -512,13 +512,13 @@ async fn reclaimer_removes_idle_empty_consumers_only() -> anyhow::Result<()> {
 /// only if it is the entry's, and acknowledges an entry deleted while pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()> {
-    use llm_worker::connect::command_pool;
+    use llm_worker::connect::commands;
     use llm_worker::queue::{HandBack, Queue};
     let bed = Bed::new(latency(10), |_| {}).await?;
     let mut conn = bed.conn.clone();
     let mut cfg = TestConfig::with_urls(&bed._redis.url(), bed.sim.addr).parsed();
     cfg.queue.consumer = "w1".into();
-    let queue = Queue::new(&cfg, command_pool(&cfg, 4)?);
+    let queue = Queue::new(&cfg, commands(&cfg)?);
     queue.ensure_group().await?;
     let reader = conn.clone();
     let read_as = |consumer: &'static str| {

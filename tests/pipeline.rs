@@ -509,7 +509,8 @@ async fn bad_payloads_are_dead_lettered_verbatim_and_later_good_jobs_succeed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metadata_is_copied_and_job_id_defaults_to_the_entry_id() {
+async fn metadata_is_copied_job_id_defaults_to_the_entry_id_and_only_a_producer_id_leaves_a_marker()
+{
     let mut b = Bench::new(SimOptions::default()).await;
     let meta =
         serde_json::json!({"user": "u-17", "tags": ["a", "b"], "n": 3, "nested": {"x": null}});
@@ -537,6 +538,20 @@ async fn metadata_is_copied_and_job_id_defaults_to_the_entry_id() {
     assert_eq!(m2, serde_json::json!("just a string"));
     assert_eq!(r3["job_id"], e[2]);
     assert!(!r3.contains_key("metadata"), "{r3:?}");
+    // Issue 9: a producer's id leaves its result marker; a job without one leaves no
+    // marker at all (no key per finished job).
+    let markers: Vec<String> = redis::cmd("KEYS")
+        .arg("{llm}:*done:*")
+        .query_async(&mut b.conn)
+        .await
+        .expect("KEYS");
+    assert_eq!(markers, vec!["{llm}:done:meta-1".to_string()]);
+    let inflight: Vec<String> = redis::cmd("KEYS")
+        .arg("{llm}:inflight:*")
+        .query_async(&mut b.conn)
+        .await
+        .expect("KEYS");
+    assert!(inflight.is_empty(), "{inflight:?}");
     b.shutdown().await;
 }
 

@@ -25,7 +25,7 @@ const SLOT0: &str = "{llm}:slot:default:0";
 async fn slots_for(tc: &TestConfig, consumer: &str, cancel: &CancellationToken) -> Slots {
     let mut cfg = tc.parsed();
     cfg.queue.consumer = consumer.to_string();
-    let pool = llm_worker::connect::command_pool(&cfg, 16).expect("pool");
+    let pool = llm_worker::connect::commands(&cfg).expect("pool");
     let s = tokio::time::timeout(Duration::from_secs(5), Slots::connect(&cfg, pool))
         .await
         .expect("connect in time")

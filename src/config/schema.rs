@@ -21,6 +21,13 @@ pub struct RedisConfig {
     /// PEM file of the CA that signed the server's certificate, for `rediss://` with a
     /// private CA. Empty = the public web roots.
     pub tls_ca_file: String,
+    /// Longest wait for the reply of one ordinary command or script, in ms. A connection
+    /// on which a command timed out is dropped and a fresh one taken. Keep it well below
+    /// `slots.ttl_ms` (validation requires at most a third of it) so a renewal that
+    /// times out is retried before the lease runs out. 0 (the default) = a third of
+    /// `slots.ttl_ms`, between 50 and 1000 ms (filled in by validation).
+    #[serde(with = "super::duration_ms")]
+    pub command_timeout_ms: Duration,
     /// Filled by validation: from `password_env` when that variable is set and
     /// non-empty, else the password that was in `url`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
@@ -180,6 +187,7 @@ impl Default for RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             password_env: "REDIS_PASSWORD".into(),
             tls_ca_file: String::new(),
+            command_timeout_ms: Duration::ZERO,
             password: None,
         }
     }

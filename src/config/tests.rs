@@ -657,3 +657,23 @@ fn config_zero_counts_name_key() {
         assert!(message.ends_with(&format!("(set by {var})")), "{message}");
     }
 }
+
+#[test]
+fn command_timeout_defaults_to_a_third_of_the_lease_and_is_bounded_by_it() {
+    let c = demo_with("ttl_ms = 10000", "ttl_ms = 10000").expect("default");
+    assert_eq!(
+        c.redis.command_timeout_ms,
+        std::time::Duration::from_millis(1000)
+    );
+    let c = demo_with("ttl_ms = 10000", "ttl_ms = 300").expect("short lease");
+    assert_eq!(
+        c.redis.command_timeout_ms,
+        std::time::Duration::from_millis(100)
+    );
+    let text = DEMO
+        .replacen("ttl_ms = 10000", "ttl_ms = 3000", 1)
+        .replacen("[redis]\n", "[redis]\ncommand_timeout_ms = 1500\n", 1);
+    let (key, message) = err_key(Config::from_toml_str(&text, &env(&[])));
+    assert_eq!(key, "redis.command_timeout_ms", "{message}");
+    assert!(message.contains("a third of slots.ttl_ms"), "{message}");
+}

@@ -39,6 +39,22 @@ impl Config {
         self.validate_redis(env)?;
         self.validate_queue(env)?;
         self.validate_process()?;
+        if self.redis.command_timeout_ms.is_zero() {
+            self.redis.command_timeout_ms = (self.slots.ttl_ms / 3).clamp(
+                std::time::Duration::from_millis(50),
+                std::time::Duration::from_millis(1000),
+            );
+        }
+        require(
+            self.redis.command_timeout_ms >= std::time::Duration::from_millis(50)
+                && self.redis.command_timeout_ms * 3 <= self.slots.ttl_ms,
+            "redis.command_timeout_ms",
+            format!(
+                "must be at least 50 and at most a third of slots.ttl_ms ({} ms), got {}",
+                self.slots.ttl_ms.as_millis(),
+                self.redis.command_timeout_ms.as_millis()
+            ),
+        )?;
         self.validate_pools_providers_models()?;
         self.validate_routes()?;
         self.resolve_api_keys(env)?;

@@ -16,7 +16,7 @@ mod wire;
 pub use wire::{DeadLetter, ResultEntry, ResultStatus, WireError};
 
 use crate::config::Config;
-use crate::connect::ConnectError;
+use crate::connect::{Commands, ConnectError};
 use crate::scripts;
 use redis::Value;
 use redis::aio::MultiplexedConnection;
@@ -220,7 +220,7 @@ impl Commit {
 #[derive(Clone)]
 pub struct Queue {
     pub keys: Keys,
-    pool: deadpool_redis::Pool,
+    conn: Commands,
     group: String,
     consumer: String,
     results_maxlen: u64,
@@ -276,10 +276,10 @@ pub struct Reclaimed {
 }
 
 impl Queue {
-    pub fn new(cfg: &Config, pool: deadpool_redis::Pool) -> Queue {
+    pub fn new(cfg: &Config, conn: Commands) -> Queue {
         Queue {
             keys: Keys::new(&cfg.queue.namespace),
-            pool,
+            conn,
             group: cfg.queue.group.clone(),
             consumer: cfg.queue.consumer.clone(),
             results_maxlen: cfg.queue.results_maxlen,
@@ -298,20 +298,20 @@ impl Queue {
     }
 
     pub fn pool(&self) -> &deadpool_redis::Pool {
-        &self.pool
+        self.conn.pool()
     }
 
     /// Creates the consumer group at id 0 with MKSTREAM (jobs pushed before the first
     /// worker started are processed); an existing group is fine.
     pub async fn ensure_group(&self) -> Result<(), QueueError> {
-        let mut conn = self.pool.get().await?;
+        let mut conn = self.conn.get().await?;
         let r: Result<(), redis::RedisError> = redis::cmd("XGROUP")
             .arg("CREATE")
             .arg(&self.keys.jobs)
             .arg(&self.group)
             .arg("0")
             .arg("MKSTREAM")
-            .query_async(&mut *conn)
+            .query_async(&mut conn)
             .await;
         match r {
             Ok(()) => Ok(()),
@@ -397,8 +397,8 @@ impl Queue {
         for (k, v) in &c.costs {
             inv.arg(k).arg(*v);
         }
-        let mut conn = self.pool.get().await?;
-        let (what, result_id): (String, String) = inv.invoke_async(&mut *conn).await?;
+        let mut conn = self.conn.get().await?;
+        let (what, result_id): (String, String) = inv.invoke_async(&mut conn).await?;
         Ok(match what.as_str() {
             "written" => CommitOutcome::Written { result_id },
             "had" => CommitOutcome::AlreadyWritten { result_id },
@@ -410,14 +410,14 @@ impl Queue {
 impl Queue {
     /// The idempotency check for `job_id` (see `lua/claim_id.lua`).
     pub async fn claim_id(&self, job_id: &str, entry_id: &str) -> Result<IdClaim, QueueError> {
-        let mut conn = self.pool.get().await?;
+        let mut conn = self.conn.get().await?;
         let (kind, val): (String, String) = self
             .claim_id_script
             .key(self.keys.done(job_id))
             .key(self.keys.inflight(job_id))
             .arg(entry_id)
             .arg(self.claim_idle_ms)
-            .invoke_async(&mut *conn)
+            .invoke_async(&mut conn)
             .await?;
         Ok(match kind.as_str() {
             "done" => {
@@ -478,9 +478,9 @@ impl Queue {
         for (entry, _) in entries {
             inv.arg(entry);
         }
-        let mut conn = self.pool.get().await?;
+        let mut conn = self.conn.get().await?;
         let (stalled, gone, deleted): (i64, Vec<String>, Vec<String>) =
-            inv.invoke_async(&mut *conn).await?;
+            inv.invoke_async(&mut conn).await?;
         Ok((stalled == 1, gone, deleted))
     }
 
@@ -501,7 +501,7 @@ impl Queue {
             );
             return Ok(out);
         }
-        let mut conn = self.pool.get().await?;
+        let mut conn = self.conn.get().await?;
         let mut cursor = "0-0".to_string();
         while out.deliveries.len() < count {
             let reply: redis::streams::StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
@@ -512,14 +512,14 @@ impl Queue {
                 .arg(&cursor)
                 .arg("COUNT")
                 .arg(count - out.deliveries.len())
-                .query_async(&mut *conn)
+                .query_async(&mut conn)
                 .await?;
             if !reply.deleted_ids.is_empty() {
                 let _: i64 = redis::cmd("XACK")
                     .arg(&self.keys.jobs)
                     .arg(&self.group)
                     .arg(&reply.deleted_ids)
-                    .query_async(&mut *conn)
+                    .query_async(&mut conn)
                     .await?;
                 out.deleted.extend(reply.deleted_ids);
             }
@@ -536,7 +536,7 @@ impl Queue {
                         .arg(1);
                 }
                 let pending: Vec<Vec<(String, String, u64, u64)>> =
-                    pipe.query_async(&mut *conn).await?;
+                    pipe.query_async(&mut conn).await?;
                 for (id, p) in reply.claimed.into_iter().zip(pending) {
                     // Just claimed, so pending; 2 (a re-delivery) only if it was
                     // acknowledged in between.
@@ -557,12 +557,12 @@ impl Queue {
         &self,
         result_id: &str,
     ) -> Result<Option<Vec<(String, Vec<u8>)>>, QueueError> {
-        let mut conn = self.pool.get().await?;
+        let mut conn = self.conn.get().await?;
         let r: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
             .arg(&self.keys.results)
             .arg(result_id)
             .arg(result_id)
-            .query_async(&mut *conn)
+            .query_async(&mut conn)
             .await?;
         Ok(r.ids.into_iter().next().map(|e| {
             e.map
@@ -623,8 +623,8 @@ impl Queue {
             .arg(if self.delete_acked { 1 } else { 0 })
             // Outlives any held result: a day, or the result marker's ttl if longer.
             .arg(self.dedupe_ttl_s.max(86_400));
-        let mut conn = self.pool.get().await?;
-        let (kind, id): (String, String) = inv.invoke_async(&mut *conn).await?;
+        let mut conn = self.conn.get().await?;
+        let (kind, id): (String, String) = inv.invoke_async(&mut conn).await?;
         Ok(match kind.as_str() {
             "moved" => HandBack::Moved(id),
             "deleted" => HandBack::Deleted,
@@ -648,8 +648,8 @@ impl Queue {
             .arg(if idle.is_some() { "idle" } else { "self" })
             .arg(&self.consumer)
             .arg(idle.map(|d| d.as_millis() as u64).unwrap_or(0));
-        let mut conn = self.pool.get().await?;
-        Ok(inv.invoke_async(&mut *conn).await?)
+        let mut conn = self.conn.get().await?;
+        Ok(inv.invoke_async(&mut conn).await?)
     }
 }
 

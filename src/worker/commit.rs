@@ -166,6 +166,7 @@ impl Worker {
         &self,
         d: &Delivery,
         job_id: Option<&str>,
+        keyed: bool,
         status: ResultStatus,
         reason: &str,
         started: Instant,
@@ -180,10 +181,11 @@ impl Worker {
         Commit {
             dead: dead.into_fields(),
             // A dead job with a known id has a result: later copies of the id are duplicates.
+            // Markers only for a producer's id (`keyed`; see `Job::keyed`).
             dedupe_id: job_id
-                .filter(|_| status == ResultStatus::Dead)
+                .filter(|_| keyed && status == ResultStatus::Dead)
                 .map(str::to_string),
-            inflight_id: job_id.map(str::to_string),
+            inflight_id: job_id.filter(|_| keyed).map(str::to_string),
             ..Commit::result_only(&d.entry_id, result)
         }
     }
@@ -224,9 +226,11 @@ impl Worker {
         }
         metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
         metrics::histogram!("llm_worker_job_seconds").record(started.elapsed().as_secs_f64());
+        // Markers only for a producer's id (see `Job::keyed`).
+        let key = job.keyed.then(|| job.id.clone());
         Commit {
-            dedupe_id: Some(job.id.clone()),
-            inflight_id: Some(job.id.clone()),
+            dedupe_id: key.clone(),
+            inflight_id: key,
             costs: bill.cost_fields(),
             ..Commit::result_only(&d.entry_id, result)
         }

@@ -137,6 +137,7 @@ impl Worker {
                 return Some(self.reject(
                     d,
                     id.as_deref(),
+                    id.is_some(),
                     ResultStatus::Invalid,
                     &e.to_string(),
                     started,
@@ -146,10 +147,14 @@ impl Worker {
         lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
         #[cfg(debug_assertions)]
         debug_hooks::maybe_panic(&job.id);
-        // Idempotency by id: one model call per id, however many copies are pushed.
+        // Idempotency by id: one model call per id, however many copies are pushed. A job
+        // without a producer id is its entry alone (pending-ness gives one result per
+        // entry, `active` one task per entry in this process): no marker, no round trip.
         let mut backoff = Backoff::new();
         let mut busy_since = None;
-        loop {
+        // (Every arm below leaves the loop but the waiting ones.)
+        #[allow(clippy::while_immutable_condition)]
+        while job.keyed {
             match self.queue.claim_id(&job.id, &d.entry_id).await {
                 Ok(IdClaim::Claimed) => {
                     if !self.regain_permit(&d.entry_id).await {
@@ -176,6 +181,7 @@ impl Worker {
                     return Some(self.reject(
                         d,
                         Some(&job.id),
+                        job.keyed,
                         ResultStatus::Failed,
                         &reason,
                         started,
@@ -201,7 +207,14 @@ impl Worker {
                 d.deliveries, self.cfg.queue.max_deliveries
             );
             tracing::error!(entry = %d.entry_id, job = %job.id, "poison job; dead-lettered");
-            return Some(self.reject(d, Some(&job.id), ResultStatus::Dead, &reason, started));
+            return Some(self.reject(
+                d,
+                Some(&job.id),
+                job.keyed,
+                ResultStatus::Dead,
+                &reason,
+                started,
+            ));
         }
         if !d.extra_fields.is_empty() {
             bill.warnings.push(format!(
@@ -225,6 +238,7 @@ impl Worker {
             return Some(self.reject(
                 d,
                 Some(&job.id),
+                job.keyed,
                 ResultStatus::Invalid,
                 "no model to run on",
                 started,
