@@ -19,10 +19,11 @@
 -- a new copy of the id pushed later is not paid a second time while this one runs.
 --
 -- KEYS[1] jobs stream   KEYS[2] heartbeat (server ms)   KEYS[3] stall gate
--- KEYS[3 + i] in-progress marker of entry i
+-- KEYS[3 + i] in-progress marker of entry i's job id (a placeholder when it has none)
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] claim_idle_ms (also the marker ttl)
 -- ARGV[4] heartbeat gap (ms) above which the stall gate is set
--- ARGV[4 + i] entry id i
+-- ARGV[3 + 2i], ARGV[4 + 2i]: entry id i, '1' if its job has a producer id (and so an
+-- in-progress marker; a job without one, or not parsed yet, has none: never create it)
 -- Returns {stalled (1: do not reclaim now), entries no longer ours, entries deleted}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -37,8 +38,8 @@ redis.pcall('SET', KEYS[2], now, 'PX', 86400000)
 local stalled = redis.call('EXISTS', KEYS[3])
 
 local gone, deleted = {}, {}
-for i = 5, #ARGV do
-  local id = ARGV[i]
+for i = 1, (#ARGV - 4) / 2 do
+  local id, keyed = ARGV[3 + 2 * i], ARGV[4 + 2 * i] == '1'
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
   if #p == 1 and p[1][2] == ARGV[2] then
     if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
@@ -46,12 +47,14 @@ for i = 5, #ARGV do
     else
       redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
     end
-    local marker = KEYS[i - 1]
-    local cur = redis.call('GET', marker)
-    if cur == id then
-      redis.call('PEXPIRE', marker, ARGV[3])
-    elseif not cur then
-      redis.call('SET', marker, id, 'NX', 'PX', ARGV[3])
+    if keyed then
+      local marker = KEYS[3 + i]
+      local cur = redis.call('GET', marker)
+      if cur == id then
+        redis.call('PEXPIRE', marker, ARGV[3])
+      elseif not cur then
+        redis.call('SET', marker, id, 'NX', 'PX', ARGV[3])
+      end
     end
   else
     table.insert(gone, id)

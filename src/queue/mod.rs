@@ -475,8 +475,9 @@ impl Queue {
             // period (claim_idle_ms / 3) and its round trip, or an entry could be idle past
             // claim_idle_ms after a stall the gate let through.
             .arg(self.claim_idle_ms / 2);
-        for (entry, _) in entries {
-            inv.arg(entry);
+        for (entry, job_id) in entries {
+            inv.arg(entry)
+                .arg(if job_id.is_empty() { "0" } else { "1" });
         }
         let mut conn = self.conn.get().await?;
         let (stalled, gone, deleted): (i64, Vec<String>, Vec<String>) =

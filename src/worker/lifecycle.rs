@@ -144,7 +144,10 @@ impl Worker {
                 ));
             }
         };
-        lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+        if job.keyed {
+            // keepalive extends the id's in-progress marker (none for an id-less job)
+            lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+        }
         #[cfg(debug_assertions)]
         debug_hooks::maybe_panic(&job.id);
         // Idempotency by id: one model call per id, however many copies are pushed. A job
