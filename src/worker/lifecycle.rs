@@ -269,6 +269,8 @@ impl Worker {
             if lease.is_lost() {
                 tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
             }
+            #[cfg(debug_assertions)]
+            debug_hooks::slow_release().await;
             if let Err(e) = lease.release().await {
                 tracing::warn!(error = %e, "slot release failed; its TTL frees it");
             }
@@ -431,10 +433,23 @@ pub(super) fn class_label(c: &ErrorClass) -> &'static str {
 /// Fault injection for the integration tests, compiled into debug builds only (release
 /// binaries carry none of it). `LLM_WORKER_DEBUG_PANIC_ONCE_JOB=<job id>`: the first task
 /// of this process that reaches the idempotency check for that id panics, as a bug in
-/// the job path would.
+/// the job path would. `LLM_WORKER_DEBUG_SLOW_RELEASE_MS=<ms>`: the release of a slot
+/// after a provider call waits that long first, as with a Redis that stalls just then.
 #[cfg(debug_assertions)]
 pub(super) mod debug_hooks {
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    pub(super) async fn slow_release() {
+        let Some(ms) = std::env::var("LLM_WORKER_DEBUG_SLOW_RELEASE_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return;
+        };
+        tracing::warn!(ms, "debug hook: slowing a slot release");
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
 
     static FIRED: AtomicBool = AtomicBool::new(false);
 
