@@ -874,7 +874,7 @@ async fn late_commit_of_a_handed_back_entry_is_superseded() -> anyhow::Result<()
     create_group(&mut conn).await;
     let ids = push(&mut conn, "llm", &[job("hb-1", "hi")]).await;
     read_as(&mut conn, qb.consumer()).await;
-    let moved = qb.hand_back(&ids[0], Some("hb-1"), 1).await?;
+    let moved = qb.hand_back(&ids[0], Some("hb-1"), 1, None).await?;
     let new = match moved {
         llm_worker::queue::HandBack::Moved(new) => new,
         other => anyhow::bail!("not moved: {other:?}"),
@@ -1103,5 +1103,61 @@ async fn dead_letter_of_an_entry_with_thousands_of_fields_keeps_them_all() -> an
     got.sort();
     assert_eq!(got.len(), want.len());
     assert!(got == want, "every original field verbatim");
+    Ok(())
+}
+
+/// Hole 1a, the script on its own at the edges of HINCRBY's range: exact to the last unit
+/// (doubles would round there), and a refused field writes nothing at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_totals_check_is_exact_at_the_int64_edges() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let cases: [(&str, &str, i64, Option<&str>); 5] = [
+        ("a", "9223372036854775806", 1, Some("9223372036854775807")),
+        ("b", "9223372036854775807", 1, None),
+        ("c", "-9223372036854775808", 5, Some("-9223372036854775803")),
+        ("d", "0012", 1, None),
+        ("e", "-0", 1, None),
+    ];
+    for (i, (field, value, inc, want)) in cases.into_iter().enumerate() {
+        let _: () = conn.hset("{llm}:cost", field, value).await?;
+        let id = format!("edge-{i}");
+        let entry = push(&mut conn, "llm", &[job(&id, "hi")]).await.remove(0);
+        read_as(&mut conn, q.consumer()).await;
+        let mut c = result_commit(&entry, &id, "ok", q.consumer());
+        c.costs = vec![("m1:calls".into(), 1), (field.into(), inc)];
+        let before = xlen(&mut conn, "{llm}:results").await;
+        let r = q.commit(&c).await;
+        let now: String = conn.hget("{llm}:cost", field).await?;
+        match want {
+            Some(w) => {
+                assert!(
+                    matches!(r, Ok(CommitOutcome::Written { .. })),
+                    "{field}: {r:?}"
+                );
+                assert_eq!(now, w, "{field}");
+            }
+            None => {
+                let e = r.expect_err(field);
+                assert!(!e.heals(), "{field}: like a key of the wrong type: {e}");
+                assert!(
+                    e.to_string().contains("{llm}:cost") && e.to_string().contains(field),
+                    "{e}"
+                );
+                assert_eq!(now, value, "{field} untouched");
+                assert_eq!(xlen(&mut conn, "{llm}:results").await, before, "{field}");
+                let pending = pending_count(&mut conn, "{llm}:jobs", "workers").await;
+                assert_eq!(pending, 1, "{field}: still pending");
+                let _: () = conn.hdel("{llm}:cost", field).await?;
+                let r = q.commit(&c).await;
+                assert!(matches!(r, Ok(CommitOutcome::Written { .. })), "{r:?}");
+            }
+        }
+    }
+    let calls: String = conn.hget("{llm}:cost", "m1:calls").await?;
+    assert_eq!(calls, "5", "each commit added its calls once");
     Ok(())
 }

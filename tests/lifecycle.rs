@@ -383,10 +383,11 @@ async fn sigterm_hands_unfinished_jobs_to_another_worker_within_2s() -> anyhow::
 }
 
 /// Point 15 (hand-back format): jobs waiting for a slot at SIGTERM are handed back as new
-/// entries carrying every original field verbatim plus `_deliveries`; the old entries are
-/// acknowledged; the in-progress markers are released; nothing is left pending.
+/// entries carrying every original field verbatim plus `_deliveries` (0: a delivery that
+/// never called a model does not count) and `_entry`; the old entries are acknowledged;
+/// the in-progress markers are released; nothing is left pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handed_back_entries_keep_every_field_and_count_the_delivery() -> anyhow::Result<()> {
+async fn handed_back_entries_keep_every_field_and_the_delivery_count() -> anyhow::Result<()> {
     let mut bed = Bed::new(latency(10), |tc| {
         tc.slots = 1;
         tc.concurrency = 2;
@@ -421,7 +422,8 @@ async fn handed_back_entries_keep_every_field_and_count_the_delivery() -> anyhow
     assert_ne!(new, &old);
     assert_eq!(fields["payload"], payload.as_bytes());
     assert_eq!(fields["trace"], b"\xff\x00raw".to_vec());
-    assert_eq!(fields["_deliveries"], b"1".to_vec());
+    assert_eq!(fields["_deliveries"], b"0".to_vec(), "no call, no delivery");
+    assert!(!fields.contains_key("_billed"), "nothing spent");
     assert_eq!(
         fields["_entry"],
         old.as_bytes().to_vec(),
@@ -543,7 +545,7 @@ async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()>
     push(&mut conn, "llm", &[job("theirs", "hi")]).await;
     let theirs = read_as("other").await;
     assert_eq!(
-        queue.hand_back(&theirs, Some("theirs"), 1).await?,
+        queue.hand_back(&theirs, Some("theirs"), 1, None).await?,
         HandBack::NotOurs
     );
     assert_eq!(deliveries_of(&mut conn, &theirs).await, 1, "still pending");
@@ -551,7 +553,7 @@ async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()>
     push(&mut conn, "llm", &[job("mine", "hi")]).await;
     let mine = read_as("w1").await;
     let _: () = conn.set("{llm}:inflight:mine", "9-9").await?;
-    let HandBack::Moved(new) = queue.hand_back(&mine, Some("mine"), 3).await? else {
+    let HandBack::Moved(new) = queue.hand_back(&mine, Some("mine"), 3, None).await? else {
         panic!("not moved");
     };
     assert_eq!(
@@ -577,7 +579,7 @@ async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()>
     let _ = read_as("w1").await; // the moved entry, now pending under w1
     let _: i64 = conn.xdel("{llm}:jobs", &[&new]).await?;
     assert_eq!(
-        queue.hand_back(&new, Some("mine"), 4).await?,
+        queue.hand_back(&new, Some("mine"), 4, None).await?,
         HandBack::Deleted
     );
     assert_eq!(deliveries_of(&mut conn, &new).await, 0);
@@ -633,6 +635,21 @@ async fn handed_back_entry_with_thousands_of_fields_keeps_them_all() -> anyhow::
         all.iter().map(|e| &e.0).collect::<Vec<_>>()
     );
     assert_ne!(all[0].0, old, "handed back as a new entry");
+    let packed = all[0].1.get("_packed").expect("the fields, packed");
+    let mut got = llm_worker::queue::unpack_fields(packed).expect("a packing");
+    got.sort();
+    let mut want: Vec<(String, Vec<u8>)> = names
+        .iter()
+        .map(|n| (n.clone(), b"\xff,1:x".to_vec()))
+        .collect();
+    want.push(("payload".into(), payload.clone().into_bytes()));
+    want.sort();
+    assert!(got == want, "every field verbatim in the hand-back");
+    assert_eq!(
+        all[0].1["_entry"],
+        old.as_bytes().to_vec(),
+        "bookkeeping fields stay outside the packing"
+    );
     assert_eq!(
         pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
         0
@@ -645,8 +662,8 @@ async fn handed_back_entry_with_thousands_of_fields_keeps_them_all() -> anyhow::
     assert_all_ok_once(&results, 1);
     let warning = &results[0].1["warning"];
     assert!(
-        warning.contains("f0000") && warning.contains("f4999"),
-        "every extra field came through the hand-back: {}",
+        warning.contains("ignored stream fields other than payload: f0000, f0001"),
+        "the unpacked fields reached the job: {}",
         &warning[..200.min(warning.len())]
     );
     assert_eq!(bed.calls("wide"), 1);

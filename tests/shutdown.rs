@@ -426,12 +426,20 @@ async fn abort_during_the_slot_release_keeps_the_paid_answer() -> anyhow::Result
         "exit 0: {status:?}\n{}",
         w.log()
     );
-    assert!(w.log().contains("debug hook: slowing a slot release"), "{}", w.log());
+    assert!(
+        w.log().contains("debug hook: slowing a slot release"),
+        "{}",
+        w.log()
+    );
     let results = entries(&mut s.conn, "{llm}:results").await;
     assert_eq!(results.len(), 1, "the paid answer is written\n{}", w.log());
     assert_all_ok_once(&results, 1);
     assert_eq!(s.sim.sim.stats().calls_per_job.get("paid-0"), Some(&1));
-    assert_eq!(xlen(&mut s.conn, "{llm}:jobs").await, 0, "nothing handed back");
+    assert_eq!(
+        xlen(&mut s.conn, "{llm}:jobs").await,
+        0,
+        "nothing handed back"
+    );
     assert_eq!(pending_count(&mut s.conn, "{llm}:jobs", "workers").await, 0);
     assert!(
         slot_keys(&mut s.conn, "llm").await.is_empty(),
