@@ -1,8 +1,11 @@
 //! One job's lifecycle: parse -> id check -> poison check -> route plan -> per attempt a
 //! slot and a provider call -> decision; handed back when shutdown stops it first.
 //!
-//! Invariant: no provider call starts after the first signal; a task's bookkeeping is
-//! undone by its drop guard on any exit (return, panic, cancellation).
+//! Invariants: no provider call starts after the first signal; a task's bookkeeping is
+//! undone by its drop guard on any exit (return, panic, cancellation); nothing is
+//! awaited between a provider's answer and the decision (the slot release is detached),
+//! so `abort` cannot cut a paid answer off from its commit; what calls cost is recorded
+//! in the task's `Spent` as they end, so a hand-back carries it.
 
 use crate::job::{self};
 use crate::provider::{self, CallError, ProviderClient};
