@@ -30,8 +30,11 @@
 -- result for its id, its result is written anyway (there is nothing left to acknowledge),
 -- unless it was handed back (tombstone KEYS[7]): then the new entry's worker answers the
 -- job, and this commit is superseded (one result per job).
--- Errors (nothing written): `WRONGTYPE <key> ...` naming the key, `ERR commit.lua: ...`
--- for a malformed call.
+-- Errors (nothing written): `WRONGTYPE <key> ...` naming the key, `ERR <key> field <f>
+-- ...` for a cost totals field HINCRBY would refuse (not an integer, or the sum leaves
+-- the 64-bit range: both like a key of the wrong type, someone must fix it),
+-- `ERR commit.lua: ...` for a malformed call (including more fields than Lua can pass to
+-- one XADD: the worker packs wide dead letters, see src/queue/wire.rs).
 local jobs, results, dead, costs, marker, inflight, handedback =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local group, entry, maxlen, ttl, del, status, consumer =
@@ -65,11 +68,50 @@ local result, deadl, costl = slice(1), slice(2), slice(3)
 if #result == 0 then
   return redis.error_reply('ERR commit.lua: empty result entry (a worker bug: report it)')
 end
-for j = 2, #costl, 2 do
-  local v = tonumber(costl[j])
-  if not v or v % 1 ~= 0 then
-    return redis.error_reply('ERR commit.lua: cost increment ' .. costl[j - 1] .. ' is not an integer (a worker bug: report it)')
+-- unpack() below puts every value on Lua's C stack (at most 8000 slots).
+if #result > 7000 or #deadl > 7000 then
+  return redis.error_reply('ERR commit.lua: ' .. math.max(#result, #deadl) / 2 ..
+    ' fields are more than one XADD from Lua can take (a worker bug: report it)')
+end
+
+-- Exact 64-bit integers without 64-bit numbers (Lua's are doubles, exact to 2^53 only):
+-- a value is {hi, lo}, value = hi * 1e9 + lo, 0 <= lo < 1e9, both parts exact.
+local E9 = 1000000000
+-- {hi, lo} normalized; nil when outside [-2^63, 2^63 - 1], the range of HINCRBY.
+local function norm(hi, lo)
+  local carry = math.floor(lo / E9)
+  hi, lo = hi + carry, lo - carry * E9
+  if hi > 9223372036 or (hi == 9223372036 and lo > 854775807) then
+    return nil
   end
+  if hi < -9223372037 or (hi == -9223372037 and lo < 145224192) then
+    return nil
+  end
+  return {hi, lo}
+end
+-- An integer as Redis reads one (optional '-', no '+', no leading zero, no '-0'); nil
+-- for anything else.
+local function int64(s)
+  local neg, digits = string.match(s, '^(%-?)(%d+)$')
+  if not digits or #digits > 19 or (#digits > 1 and string.sub(digits, 1, 1) == '0')
+      or (neg == '-' and digits == '0') then
+    return nil
+  end
+  local hi = tonumber(string.sub(digits, 1, -10)) or 0
+  local lo = tonumber(string.sub(digits, -9))
+  if neg == '-' then
+    hi, lo = -hi, -lo
+  end
+  return norm(hi, lo)
+end
+local incr = {}
+for j = 1, #costl, 2 do
+  local v = int64(costl[j + 1])
+  if not v or incr[costl[j]] then
+    return redis.error_reply('ERR commit.lua: cost increment ' .. costl[j] ..
+      ' is not an integer or repeated (a worker bug: report it)')
+  end
+  incr[costl[j]] = v
 end
 
 -- 2. Key types (a write to a key of another type fails half-way otherwise).
@@ -137,7 +179,30 @@ if not pending then
   end
 end
 
--- 4. Writes; the first one (XADD) is the one refused under OOM, before anything else.
+-- 4. Cost totals fields: each HINCRBY must succeed, since it runs after the first write.
+for j = 1, #costl, 2 do
+  local f = costl[j]
+  local cur = redis.call('HGET', costs, f)
+  if cur then
+    local v = int64(cur)
+    local bad = nil
+    if not v then
+      bad = 'is not an integer'
+    elseif not norm(v[1] + incr[f][1], v[2] + incr[f][2]) then
+      bad = 'plus ' .. costl[j + 1] .. ' leaves the 64-bit integer range'
+    end
+    if bad then
+      local shown = cur
+      if #shown > 40 then
+        shown = string.sub(shown, 1, 40) .. '...'
+      end
+      return redis.error_reply('ERR ' .. costs .. ' field ' .. f .. ' holds "' .. shown .. '", which ' ..
+        bad .. ': fix or delete the field (cost totals are not added until then)')
+    end
+  end
+end
+
+-- 5. Writes; the first one (XADD) is the one refused under OOM, before anything else.
 local id = redis.call('XADD', results, 'MAXLEN', '~', maxlen, '*', unpack(result))
 if #deadl > 0 then
   redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', unpack(deadl))

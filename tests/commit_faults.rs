@@ -878,7 +878,7 @@ async fn late_commit_of_a_handed_back_entry_is_superseded() -> anyhow::Result<()
     create_group(&mut conn).await;
     let ids = push(&mut conn, "llm", &[job("hb-1", "hi")]).await;
     read_as(&mut conn, qb.consumer()).await;
-    let moved = qb.hand_back(&ids[0], Some("hb-1"), 1).await?;
+    let moved = qb.hand_back(&ids[0], Some("hb-1"), 1, None).await?;
     let new = match moved {
         llm_worker::queue::HandBack::Moved(new) => new,
         other => anyhow::bail!("not moved: {other:?}"),
@@ -1041,5 +1041,208 @@ async fn a_command_timed_out_in_a_partition_is_never_answered_on_a_reused_connec
         c2.is_some(),
         "no command succeeded after the link came back"
     );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Review holes (issue 8, "every promise holds"): the commit cannot fail after its first
+// write.
+
+/// Results of `job_id`, once nothing is pending any more.
+async fn results_of(
+    conn: &mut redis::aio::MultiplexedConnection,
+    job_id: &str,
+    w: &WorkerProc,
+) -> anyhow::Result<Vec<HashMap<String, String>>> {
+    let done = wait_for(Duration::from_secs(20), || {
+        let mut c = conn.clone();
+        async move {
+            // Results first: the group exists only once the worker has started.
+            entries(&mut c, "{llm}:results")
+                .await
+                .iter()
+                .any(|(_, r)| r["job_id"] == job_id)
+                && pending_count(&mut c, "{llm}:jobs", "workers").await == 0
+        }
+    })
+    .await;
+    if !done {
+        anyhow::bail!("no result for {job_id}\n{}", w.log());
+    }
+    // A second result would follow the first at once; give it a moment to show.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok(entries(conn, "{llm}:results")
+        .await
+        .into_iter()
+        .filter(|(_, r)| r["job_id"] == job_id)
+        .map(|(_, r)| r)
+        .collect())
+}
+
+/// Hole 1a: a cost-totals field that HINCRBY would refuse (not an integer, or the sum
+/// leaves int64) is found before the first write: the job gets one minimal `failed`
+/// result naming the key and the field, as for a cost key of the wrong type, never a
+/// half-written commit plus a second result. A total past 2^53 is still added exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_cost_total_field_gives_one_failed_result_naming_it() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    for (job_id, field, value) in [
+        ("nan-1", "m1:cost_picos", "abc"),
+        ("ovf-1", "m1:output_tokens", "9223372036854775800"),
+    ] {
+        let _: () = conn.hset("{llm}:cost", field, value).await?;
+        push(&mut conn, "llm", &[job(job_id, "hi")]).await;
+        let rs = results_of(&mut conn, job_id, &w).await?;
+        assert_eq!(rs.len(), 1, "one result for {job_id}: {rs:?}");
+        let r = &rs[0];
+        assert_eq!(r["status"], "failed", "{r:?}");
+        assert!(
+            r["error"].contains("{llm}:cost") && r["error"].contains(field),
+            "the error names the key and the field: {r:?}"
+        );
+        assert_eq!(r["attempts"], "1", "{r:?}");
+        assert_ne!(r["cost_usd"], "0", "the paid call is reported: {r:?}");
+        let kept: String = conn.hget("{llm}:cost", field).await?;
+        assert_eq!(kept, value, "the bad field is left alone");
+        let calls: Option<String> = conn.hget("{llm}:cost", "m1:calls").await?;
+        assert_eq!(calls, None, "no cost total half-written");
+        assert_eq!(sim_calls(&sim).get(job_id), Some(&1));
+        let _: () = conn.hdel("{llm}:cost", field).await?;
+    }
+    // Exact past 2^53 (a double would round 2^53 + 1).
+    let _: () = conn
+        .hset("{llm}:cost", "m1:calls", "9007199254740993")
+        .await?;
+    push(&mut conn, "llm", &[job("big-1", "hi")]).await;
+    let rs = results_of(&mut conn, "big-1", &w).await?;
+    assert_eq!(rs.len(), 1, "{rs:?}");
+    assert_eq!(rs[0]["status"], "ok", "{rs:?}");
+    let calls: String = conn.hget("{llm}:cost", "m1:calls").await?;
+    assert_eq!(calls, "9007199254740994");
+    Ok(())
+}
+
+/// Every entry of a stream with its fields in stream order, raw.
+async fn entries_ordered(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+) -> Vec<(String, Vec<(String, Vec<u8>)>)> {
+    let raw: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(conn)
+        .await
+        .expect("xrange");
+    raw.into_iter()
+        .map(|(id, kv)| {
+            let fields = kv
+                .chunks(2)
+                .map(|p| (String::from_utf8_lossy(&p[0]).into_owned(), p[1].clone()))
+                .collect();
+            (id, fields)
+        })
+        .collect()
+}
+
+/// Hole 1b: an entry with thousands of fields (more than Lua can pass to one command)
+/// that is dead-lettered: one `invalid` result, one dead letter that keeps every field
+/// verbatim (packed into `_packed` past 1000 fields, see README), nothing half-written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_of_an_entry_with_thousands_of_fields_keeps_them_all() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let names: Vec<String> = (0..5000).map(|i| format!("f{i:04}")).collect();
+    let values: Vec<Vec<u8>> = (0..5000u32)
+        .map(|i| {
+            let mut v = format!("v{i}").into_bytes();
+            v.extend_from_slice(b"\xff\x00,:");
+            v
+        })
+        .collect();
+    let fields: Vec<(&str, &[u8])> = names
+        .iter()
+        .zip(&values)
+        .map(|(n, v)| (n.as_str(), v.as_slice()))
+        .collect();
+    let entry = push_fields(&mut conn, "llm", &fields).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let rs = results_of(&mut conn, &entry, &w).await?;
+    assert_eq!(rs.len(), 1, "one result: {rs:?}");
+    assert_eq!(rs[0]["status"], "invalid", "{rs:?}");
+    let dead = entries_ordered(&mut conn, "{llm}:dead").await;
+    assert_eq!(dead.len(), 1, "one dead letter");
+    let d = llm_worker::queue::DeadLetter::from_fields(&dead[0].1)?;
+    assert_eq!(d.job_entry, entry);
+    let mut want: Vec<(String, Vec<u8>)> = names.into_iter().zip(values).collect();
+    want.sort();
+    let mut got = d.original().to_vec();
+    got.sort();
+    assert_eq!(got.len(), want.len());
+    assert!(got == want, "every original field verbatim");
+    Ok(())
+}
+
+/// Hole 1a, the script on its own at the edges of HINCRBY's range: exact to the last unit
+/// (doubles would round there), and a refused field writes nothing at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_totals_check_is_exact_at_the_int64_edges() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let cases: [(&str, &str, i64, Option<&str>); 5] = [
+        ("a", "9223372036854775806", 1, Some("9223372036854775807")),
+        ("b", "9223372036854775807", 1, None),
+        ("c", "-9223372036854775808", 5, Some("-9223372036854775803")),
+        ("d", "0012", 1, None),
+        ("e", "-0", 1, None),
+    ];
+    for (i, (field, value, inc, want)) in cases.into_iter().enumerate() {
+        let _: () = conn.hset("{llm}:cost", field, value).await?;
+        let id = format!("edge-{i}");
+        let entry = push(&mut conn, "llm", &[job(&id, "hi")]).await.remove(0);
+        read_as(&mut conn, q.consumer()).await;
+        let mut c = result_commit(&entry, &id, "ok", q.consumer());
+        c.costs = vec![("m1:calls".into(), 1), (field.into(), inc)];
+        let before = xlen(&mut conn, "{llm}:results").await;
+        let r = q.commit(&c).await;
+        let now: String = conn.hget("{llm}:cost", field).await?;
+        match want {
+            Some(w) => {
+                assert!(
+                    matches!(r, Ok(CommitOutcome::Written { .. })),
+                    "{field}: {r:?}"
+                );
+                assert_eq!(now, w, "{field}");
+            }
+            None => {
+                let e = r.expect_err(field);
+                assert!(!e.heals(), "{field}: like a key of the wrong type: {e}");
+                assert!(
+                    e.to_string().contains("{llm}:cost") && e.to_string().contains(field),
+                    "{e}"
+                );
+                assert_eq!(now, value, "{field} untouched");
+                assert_eq!(xlen(&mut conn, "{llm}:results").await, before, "{field}");
+                let pending = pending_count(&mut conn, "{llm}:jobs", "workers").await;
+                assert_eq!(pending, 1, "{field}: still pending");
+                let _: () = conn.hdel("{llm}:cost", field).await?;
+                let r = q.commit(&c).await;
+                assert!(matches!(r, Ok(CommitOutcome::Written { .. })), "{r:?}");
+            }
+        }
+    }
+    let calls: String = conn.hget("{llm}:cost", "m1:calls").await?;
+    assert_eq!(calls, "5", "each commit added its calls once");
     Ok(())
 }

@@ -383,10 +383,11 @@ async fn sigterm_hands_unfinished_jobs_to_another_worker_within_2s() -> anyhow::
 }
 
 /// Point 15 (hand-back format): jobs waiting for a slot at SIGTERM are handed back as new
-/// entries carrying every original field verbatim plus `_deliveries`; the old entries are
-/// acknowledged; the in-progress markers are released; nothing is left pending.
+/// entries carrying every original field verbatim plus `_deliveries` (0: a delivery that
+/// never called a model does not count) and `_entry`; the old entries are acknowledged;
+/// the in-progress markers are released; nothing is left pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handed_back_entries_keep_every_field_and_count_the_delivery() -> anyhow::Result<()> {
+async fn handed_back_entries_keep_every_field_and_the_delivery_count() -> anyhow::Result<()> {
     let mut bed = Bed::new(latency(10), |tc| {
         tc.slots = 1;
         tc.concurrency = 2;
@@ -421,7 +422,8 @@ async fn handed_back_entries_keep_every_field_and_count_the_delivery() -> anyhow
     assert_ne!(new, &old);
     assert_eq!(fields["payload"], payload.as_bytes());
     assert_eq!(fields["trace"], b"\xff\x00raw".to_vec());
-    assert_eq!(fields["_deliveries"], b"1".to_vec());
+    assert_eq!(fields["_deliveries"], b"0".to_vec(), "no call, no delivery");
+    assert!(!fields.contains_key("_billed"), "nothing spent");
     assert_eq!(
         fields["_entry"],
         old.as_bytes().to_vec(),
@@ -543,7 +545,7 @@ async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()>
     push(&mut conn, "llm", &[job("theirs", "hi")]).await;
     let theirs = read_as("other").await;
     assert_eq!(
-        queue.hand_back(&theirs, Some("theirs"), 1).await?,
+        queue.hand_back(&theirs, Some("theirs"), 1, None).await?,
         HandBack::NotOurs
     );
     assert_eq!(deliveries_of(&mut conn, &theirs).await, 1, "still pending");
@@ -551,7 +553,7 @@ async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()>
     push(&mut conn, "llm", &[job("mine", "hi")]).await;
     let mine = read_as("w1").await;
     let _: () = conn.set("{llm}:inflight:mine", "9-9").await?;
-    let HandBack::Moved(new) = queue.hand_back(&mine, Some("mine"), 3).await? else {
+    let HandBack::Moved(new) = queue.hand_back(&mine, Some("mine"), 3, None).await? else {
         panic!("not moved");
     };
     assert_eq!(
@@ -577,10 +579,194 @@ async fn hand_back_moves_only_entries_this_consumer_owns() -> anyhow::Result<()>
     let _ = read_as("w1").await; // the moved entry, now pending under w1
     let _: i64 = conn.xdel("{llm}:jobs", &[&new]).await?;
     assert_eq!(
-        queue.hand_back(&new, Some("mine"), 4).await?,
+        queue.hand_back(&new, Some("mine"), 4, None).await?,
         HandBack::Deleted
     );
     assert_eq!(deliveries_of(&mut conn, &new).await, 0);
     assert_eq!(xlen(&mut conn, "{llm}:jobs").await, before - 1);
+    Ok(())
+}
+
+/// Another process holds the only slot of pool `default` for a minute.
+async fn hold_the_slot(conn: &mut Conn) -> anyhow::Result<()> {
+    let _: () = redis::cmd("SET")
+        .arg("{llm}:slot:default:0")
+        .arg("other-host-1:0badc0de")
+        .arg("PX")
+        .arg(60_000)
+        .query_async(conn)
+        .await?;
+    Ok(())
+}
+
+/// Starts worker `name`, waits until it queues for the slot, then stops it cleanly: the
+/// job it holds is handed back.
+async fn take_and_hand_back(bed: &Bed, name: &str, env: &[(&str, &str)]) {
+    let mut w = WorkerProc::spawn(&bed.cfg, name, env);
+    assert!(
+        wait_slot_queue(&bed.conn, name, Duration::from_secs(10)).await,
+        "{name} waits for the slot\n{}",
+        w.log()
+    );
+    stop_clean(&mut w, Duration::from_secs(4)).await;
+}
+
+/// Review hole 1b (hand-back): a job entry with more fields than Lua can pass to one
+/// XADD is handed back whole (packed into `_packed`, see README) and then runs normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handed_back_entry_with_thousands_of_fields_keeps_them_all() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(10), |tc| {
+        tc.slots = 1;
+        tc.concurrency = 2;
+    })
+    .await?;
+    hold_the_slot(&mut bed.conn).await?;
+    let payload = job("wide", "hi");
+    let names: Vec<String> = (0..5000).map(|i| format!("f{i:04}")).collect();
+    let mut fields: Vec<(&str, &[u8])> = vec![("payload", payload.as_bytes())];
+    fields.extend(names.iter().map(|n| (n.as_str(), b"\xff,1:x" as &[u8])));
+    let old = push_fields(&mut bed.conn, "llm", &fields).await;
+    take_and_hand_back(&bed, "w1", &[]).await;
+    let all = entries_raw(&mut bed.conn, "{llm}:jobs").await;
+    assert_eq!(
+        all.len(),
+        1,
+        "one entry: the hand-back ({:?})",
+        all.iter().map(|e| &e.0).collect::<Vec<_>>()
+    );
+    assert_ne!(all[0].0, old, "handed back as a new entry");
+    let packed = all[0].1.get("_packed").expect("the fields, packed");
+    let mut got = llm_worker::queue::unpack_fields(packed).expect("a packing");
+    got.sort();
+    let mut want: Vec<(String, Vec<u8>)> = names
+        .iter()
+        .map(|n| (n.clone(), b"\xff,1:x".to_vec()))
+        .collect();
+    want.push(("payload".into(), payload.clone().into_bytes()));
+    want.sort();
+    assert!(got == want, "every field verbatim in the hand-back");
+    assert_eq!(
+        all[0].1["_entry"],
+        old.as_bytes().to_vec(),
+        "bookkeeping fields stay outside the packing"
+    );
+    assert_eq!(
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
+        0
+    );
+    let _: () = bed.conn.del("{llm}:slot:default:0").await?;
+    let mut w2 = WorkerProc::spawn(&bed.cfg, "w2", &[]);
+    let done = wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(10)).await;
+    context(done, &[&w2])?;
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 1);
+    let warning = &results[0].1["warning"];
+    assert!(
+        warning.contains("ignored stream fields other than payload: f0000, f0001"),
+        "the unpacked fields reached the job: {}",
+        &warning[..200.min(warning.len())]
+    );
+    assert_eq!(bed.calls("wide"), 1);
+    stop_clean(&mut w2, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Review hole 3: a rolling restart hands a job that never got a slot back on every
+/// restart; those hand-backs are not deliveries (no provider call started), so with
+/// `queue.max_deliveries = 2` the job is not dead-lettered after 3 restarts, and ends `ok`
+/// once a slot is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_restarts_do_not_count_hand_backs_of_jobs_never_called() -> anyhow::Result<()> {
+    let mut bed = Bed::new(latency(10), |tc| {
+        tc.slots = 1;
+        tc.concurrency = 2;
+        tc.grace_ms = 1000;
+    })
+    .await?;
+    hold_the_slot(&mut bed.conn).await?;
+    push(&mut bed.conn, "llm", &[job("roll", "hi")]).await;
+    let env = [("LLM_WORKER__QUEUE__MAX_DELIVERIES", "2")];
+    for name in ["w1", "w2", "w3", "w4"] {
+        take_and_hand_back(&bed, name, &env).await;
+        assert_eq!(xlen(&mut bed.conn, "{llm}:dead").await, 0, "after {name}");
+        assert_eq!(xlen(&mut bed.conn, "{llm}:jobs").await, 1, "after {name}");
+    }
+    let _: () = bed.conn.del("{llm}:slot:default:0").await?;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w5", &env);
+    let done = wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(10)).await;
+    context(done, &[&w])?;
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 1);
+    assert_eq!(results[0].1["attempts"], "1", "{results:?}");
+    assert_eq!(xlen(&mut bed.conn, "{llm}:dead").await, 0);
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Review hole 4: a job handed back while in retry backoff after a billed failed attempt
+/// (a 200 without choices, its prompt billed) carries that attempt: the final result's
+/// attempts, tokens and cost include it, and the cost totals count each paid call once.
+/// The started call counts as a delivery (`_deliveries` 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hand_back_carries_the_billed_attempts_of_a_job_in_backoff() -> anyhow::Result<()> {
+    let opts = SimOptions {
+        latency_ms: 10,
+        rules: vec![llm_worker::sim::Rule {
+            model: "m1".into(),
+            fault: Fault::EmptyChoices,
+            probability: 1.0,
+            first_n: Some(1),
+        }],
+        ..SimOptions::default()
+    };
+    let mut bed = Bed::new(opts, |tc| tc.grace_ms = 1000).await?;
+    push(&mut bed.conn, "llm", &[job("paid", "hello there")]).await;
+    let slow_retry = [
+        ("LLM_WORKER__RETRY__BASE_DELAY_MS", "20000"),
+        ("LLM_WORKER__RETRY__MAX_DELAY_MS", "20000"),
+    ];
+    let mut w1 = WorkerProc::spawn(&bed.cfg, "w1", &slow_retry);
+    let called = wait_for(Duration::from_secs(10), || async { bed.calls("paid") == 1 }).await;
+    assert!(called, "the first, billed, call\n{}", w1.log());
+    tokio::time::sleep(Duration::from_millis(200)).await; // into the backoff
+    stop_clean(&mut w1, Duration::from_secs(5)).await;
+    let all = entries_raw(&mut bed.conn, "{llm}:jobs").await;
+    assert_eq!(all.len(), 1, "handed back\n{}", w1.log());
+    assert_eq!(
+        all[0].1["_deliveries"],
+        b"1".to_vec(),
+        "a started call counts"
+    );
+    let mut w2 = WorkerProc::spawn(&bed.cfg, "w2", &[]);
+    let done = wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(10)).await;
+    context(done, &[&w1, &w2])?;
+    stop_clean(&mut w2, Duration::from_secs(6)).await;
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 1);
+    let r = &results[0].1;
+    let stats = bed.sim.sim.stats();
+    let billed = &stats.billed["m1"];
+    assert_eq!(billed.responses, 2, "{stats:?}");
+    assert_eq!(bed.calls("paid"), 2);
+    assert_eq!(r["attempts"], "2", "{r:?}");
+    assert_eq!(r["tried"], "m1", "{r:?}");
+    assert_eq!(r["input_tokens"], billed.prompt_tokens.to_string(), "{r:?}");
+    assert_eq!(
+        r["output_tokens"],
+        billed.completion_tokens.to_string(),
+        "{r:?}"
+    );
+    // m1: 0.14 $/Mtok in, 0.42 $/Mtok out, no cache: picos = tokens x 140000 / 420000.
+    let picos = billed.prompt_tokens * 140_000 + billed.completion_tokens * 420_000;
+    let totals: HashMap<String, String> = bed.conn.hgetall("{llm}:cost").await?;
+    assert_eq!(totals["m1:calls"], "2", "{totals:?}");
+    assert_eq!(totals["m1:cost_picos"], picos.to_string(), "{totals:?}");
+    assert_eq!(
+        totals["m1:input_tokens"],
+        billed.prompt_tokens.to_string(),
+        "{totals:?}"
+    );
+    let usd = rust_decimal::Decimal::new(picos as i64, 12).normalize();
+    assert_eq!(r["cost_usd"], usd.to_string(), "{r:?}");
     Ok(())
 }

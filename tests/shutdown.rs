@@ -400,3 +400,50 @@ async fn shutdown_while_redis_is_unreachable_ends_within_grace_plus_2s() -> anyh
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
     Ok(())
 }
+
+/// Review hole 2: the grace ends (abort) while the slot of a finished, paid call is still
+/// being released (a debug-build hook makes that release take 4 s, as a Redis stalling
+/// just then would). The paid answer is still written: exactly one result, one call, no
+/// hand-back, and no slot key left after the exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_during_the_slot_release_keeps_the_paid_answer() -> anyhow::Result<()> {
+    let mut s = Setup::new(1000, 2, 1500).await?;
+    push(&mut s.conn, "llm", &jobs("paid", 1)).await;
+    let mut w = WorkerProc::spawn(
+        &s.cfg,
+        "w1",
+        &[("LLM_WORKER_DEBUG_SLOW_RELEASE_MS", "4000")],
+    );
+    assert!(
+        in_flight_at_least(&s.sim, 1, Duration::from_secs(10)).await,
+        "the call runs\n{}",
+        w.log()
+    );
+    w.signal(libc_sig::TERM);
+    let status = wait_exit(&mut w, Duration::from_secs(10)).await;
+    assert!(
+        status.is_some_and(|st| st.success()),
+        "exit 0: {status:?}\n{}",
+        w.log()
+    );
+    assert!(
+        w.log().contains("debug hook: slowing a slot release"),
+        "{}",
+        w.log()
+    );
+    let results = entries(&mut s.conn, "{llm}:results").await;
+    assert_eq!(results.len(), 1, "the paid answer is written\n{}", w.log());
+    assert_all_ok_once(&results, 1);
+    assert_eq!(s.sim.sim.stats().calls_per_job.get("paid-0"), Some(&1));
+    assert_eq!(
+        xlen(&mut s.conn, "{llm}:jobs").await,
+        0,
+        "nothing handed back"
+    );
+    assert_eq!(pending_count(&mut s.conn, "{llm}:jobs", "workers").await, 0);
+    assert!(
+        slot_keys(&mut s.conn, "llm").await.is_empty(),
+        "no slot key left"
+    );
+    Ok(())
+}

@@ -13,7 +13,10 @@
 //!   result).
 
 mod wire;
-pub use wire::{DeadLetter, ResultEntry, ResultStatus, WireError};
+pub use wire::{
+    DeadLetter, MAX_VERBATIM_FIELDS, PACKED_FIELDS, ResultEntry, ResultStatus, WireError,
+    pack_fields, unpack_fields,
+};
 
 use crate::config::Config;
 use crate::connect::{Commands, ConnectError};
@@ -127,12 +130,18 @@ pub struct Delivery {
     /// Names of fields other than `payload` (reported, not fatal).
     pub extra_fields: Vec<String>,
     /// Every field of the entry, verbatim (sorted by name), except the hand-back's own
-    /// bookkeeping fields: copied into a dead letter, so bad input never loses what the
-    /// producer wrote.
+    /// bookkeeping fields ([`HANDED_BACK_DELIVERIES`], [`HANDED_BACK_ENTRY`],
+    /// [`HANDED_BACK_BILLED`]); a [`PACKED_FIELDS`] field (a wide entry handed back) is
+    /// unpacked into the fields it holds. Copied into a dead letter, so bad input never
+    /// loses what the producer wrote.
     pub fields: Vec<(String, Vec<u8>)>,
     /// How many times this entry has been delivered (1 for a fresh read), plus the
     /// deliveries a hand-back carried over.
     pub deliveries: u64,
+    /// What earlier deliveries of the job spent on provider calls, carried by a hand-back
+    /// ([`HANDED_BACK_BILLED`], the worker's own encoding): the final result and the cost
+    /// totals include it.
+    pub billed: Option<Vec<u8>>,
     /// The entry id the job was first pushed as, if this entry is a hand-back of it
     /// (field `_entry`): the job id of a payload without `id`, so it stays the same.
     pub first_entry: Option<String>,
@@ -145,6 +154,8 @@ impl Delivery {
         let mut fields = vec![];
         let mut deliveries = deliveries;
         let mut first_entry = None;
+        let mut billed = None;
+        let mut raw = vec![];
         for (k, v) in id.map {
             if k == HANDED_BACK_ENTRY {
                 first_entry = redis::from_redis_value::<String>(v).ok();
@@ -161,6 +172,19 @@ impl Delivery {
                 Value::Int(i) => i.to_string().into_bytes(),
                 _ => vec![],
             };
+            if k == HANDED_BACK_BILLED {
+                billed = Some(bytes);
+                continue;
+            }
+            if k == PACKED_FIELDS
+                && let Some(unpacked) = unpack_fields(&bytes)
+            {
+                raw.extend(unpacked);
+                continue;
+            }
+            raw.push((k, bytes));
+        }
+        for (k, bytes) in raw {
             if k == "payload" {
                 payload = Some(bytes.clone());
             } else {
@@ -177,6 +201,7 @@ impl Delivery {
             extra_fields: extra,
             fields,
             deliveries,
+            billed,
             first_entry,
         }
     }
@@ -581,12 +606,18 @@ impl Queue {
     }
 }
 
-/// Field a handed-back entry carries: how many times the job was delivered before it was
-/// handed back. The reader adds it to the entry's own delivery count, so
-/// `queue.max_deliveries` still counts every worker that took the job.
+/// Field a handed-back entry carries: how many deliveries of the job count so far (a
+/// delivery handed back before its first provider call started does not). The reader
+/// adds it to the entry's own delivery count, so `queue.max_deliveries` counts every
+/// worker that called a model for the job and stopped, but not rolling restarts that
+/// hand back a job still waiting for a slot.
 pub const HANDED_BACK_DELIVERIES: &str = "_deliveries";
 /// Field a handed-back entry carries: the entry id the job was first pushed as.
 pub const HANDED_BACK_ENTRY: &str = "_entry";
+/// Field a handed-back entry carries when earlier deliveries made provider calls: their
+/// attempts, models tried, usage and cost (the worker's JSON), so the final result and
+/// the cost totals count each paid call exactly once.
+pub const HANDED_BACK_BILLED: &str = "_billed";
 
 /// What [`Queue::hand_back`] did with an entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -602,15 +633,19 @@ pub enum HandBack {
 impl Queue {
     /// Hands an unfinished job back to the fleet at once (shutdown), instead of leaving it
     /// pending until another worker's `queue.claim_idle_ms` passes: in one script
-    /// (`lua/handback.lua`), a new entry with every original field verbatim plus
-    /// [`HANDED_BACK_DELIVERIES`] and [`HANDED_BACK_ENTRY`], the XACK (+XDEL) of the old one, and the release of the
-    /// job id's in-progress marker if it is this entry's (so the new entry can claim the
-    /// id). Only if the old entry is still pending under this consumer.
+    /// (`lua/handback.lua`), a new entry with every original field verbatim (more than
+    /// [`MAX_VERBATIM_FIELDS`]: packed into [`PACKED_FIELDS`]) plus
+    /// [`HANDED_BACK_DELIVERIES`] = `deliveries` (the deliveries that count so far),
+    /// [`HANDED_BACK_ENTRY`] and, when given, [`HANDED_BACK_BILLED`] = `billed`; the XACK
+    /// (+XDEL) of the old one, and the release of the job id's in-progress marker if it is
+    /// this entry's (so the new entry can claim the id). Only if the old entry is still
+    /// pending under this consumer.
     pub async fn hand_back(
         &self,
         entry_id: &str,
         job_id: Option<&str>,
         deliveries: u64,
+        billed: Option<&[u8]>,
     ) -> Result<HandBack, QueueError> {
         let script = &*scripts::HAND_BACK;
         let mut inv = script.prepare_invoke();
@@ -623,7 +658,9 @@ impl Queue {
             .arg(deliveries)
             .arg(if self.delete_acked { 1 } else { 0 })
             // Outlives any held result: a day, or the result marker's ttl if longer.
-            .arg(self.dedupe_ttl_s.max(86_400));
+            .arg(self.dedupe_ttl_s.max(86_400))
+            .arg(billed.unwrap_or_default())
+            .arg(MAX_VERBATIM_FIELDS);
         let mut conn = self.conn.get().await?;
         let (kind, id): (String, String) = inv.invoke_async(&mut conn).await?;
         Ok(match kind.as_str() {

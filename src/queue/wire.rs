@@ -286,7 +286,12 @@ impl ResultEntry {
 
 /// One entry of `{ns}:dead`: the worker's fields first (`job_entry`, `job_id` if known,
 /// `reason`, `deliveries`), then every field of the original job entry, name and value
-/// verbatim (a name that clashes with one of ours appears twice, ours first).
+/// verbatim (a name that clashes with one of ours appears twice, ours first). An entry of
+/// more than [`MAX_VERBATIM_FIELDS`] fields is kept whole as one field [`PACKED_FIELDS`]
+/// (see [`pack_fields`]): a Lua script cannot pass more arguments to one command.
+/// The original is the producer's fields only: the hand-back's bookkeeping fields
+/// (`_deliveries`, `_entry`, `_billed`) are not copied; what they say is in `deliveries`
+/// and in the result (cost, attempts).
 ///
 /// Invariant: `original` is never empty; an entry without fields is recorded as an
 /// empty `payload`, so every dead letter has the contract's `payload` field.
@@ -337,7 +342,11 @@ impl DeadLetter {
             "deliveries".to_string(),
             self.deliveries.to_string().into_bytes(),
         ));
-        f.extend(self.original);
+        if self.original.len() > MAX_VERBATIM_FIELDS {
+            f.push((PACKED_FIELDS.to_string(), pack_fields(&self.original)));
+        } else {
+            f.extend(self.original);
+        }
         f
     }
 
@@ -375,7 +384,13 @@ impl DeadLetter {
             value: deliveries_text.clone(),
             expected: "a non-negative integer",
         })?;
-        let original: Vec<_> = it.cloned().collect();
+        let mut original: Vec<_> = it.cloned().collect();
+        if let [(name, packed)] = original.as_slice()
+            && name == PACKED_FIELDS
+            && let Some(fields) = unpack_fields(packed)
+        {
+            original = fields;
+        }
         if original.is_empty() {
             return Err(WireError::Missing {
                 kind: DEAD,
@@ -390,6 +405,63 @@ impl DeadLetter {
             original,
         })
     }
+}
+
+/// Most fields of an original job entry a dead letter or a hand-back copies one by one.
+/// Past it they are kept as one [`PACKED_FIELDS`] field: a Lua script passes at most
+/// ~8000 arguments to one command (Lua's C stack), so a wider entry could not be written
+/// in the one atomic step at all.
+pub const MAX_VERBATIM_FIELDS: usize = 1000;
+
+/// The field that holds a whole entry's fields packed by [`pack_fields`] (in a dead
+/// letter, and in a handed-back job entry: `lua/handback.lua` packs the same way; the
+/// reader unpacks it). A name producers must not use on its own.
+pub const PACKED_FIELDS: &str = "_packed";
+
+/// Every name and value in order, each as a netstring (`<byte length>:<bytes>,`):
+/// binary-safe and verbatim, whatever the bytes.
+pub fn pack_fields(fields: &[(String, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (k, v) in fields {
+        for b in [k.as_bytes(), v.as_slice()] {
+            out.extend_from_slice(b.len().to_string().as_bytes());
+            out.push(b':');
+            out.extend_from_slice(b);
+            out.push(b',');
+        }
+    }
+    out
+}
+
+/// The fields [`pack_fields`] packed; `None` if `packed` is not such a packing (then it
+/// is an ordinary value, kept as it is). A name that is not UTF-8 is read lossily.
+pub fn unpack_fields(packed: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+    let mut rest = packed;
+    let mut items: Vec<&[u8]> = Vec::new();
+    while !rest.is_empty() {
+        let colon = rest.iter().position(|&b| b == b':')?;
+        let digits = std::str::from_utf8(&rest[..colon]).ok()?;
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let len: usize = digits.parse().ok()?;
+        let start = colon + 1;
+        let end = start.checked_add(len)?;
+        if rest.get(end) != Some(&b',') {
+            return None;
+        }
+        items.push(&rest[start..end]);
+        rest = &rest[end + 1..];
+    }
+    if items.len() % 2 != 0 {
+        return None;
+    }
+    Some(
+        items
+            .chunks(2)
+            .map(|p| (String::from_utf8_lossy(p[0]).into_owned(), p[1].to_vec()))
+            .collect(),
+    )
 }
 
 /// A field value's bytes as redis-rs returns it (bulk or simple string, integer).
@@ -602,6 +674,46 @@ mod tests {
         assert_eq!(&f[4..], &original[..]);
         let empty = DeadLetter::new("1-0", None, "empty", 1, vec![]).into_fields();
         assert_eq!(empty.last().unwrap(), &("payload".to_string(), vec![]));
+    }
+
+    #[test]
+    fn wide_dead_letter_packs_its_original_and_round_trips() {
+        let wide: Vec<(String, Vec<u8>)> = (0..=MAX_VERBATIM_FIELDS)
+            .map(|i| (format!("f{i}"), vec![b'1', b':', b',', 0xff, i as u8]))
+            .collect();
+        let d = DeadLetter::new("1-0", None, "bad", 1, wide.clone());
+        let f = d.clone().into_fields();
+        assert_eq!(f.len(), 4, "job_entry, reason, deliveries, {PACKED_FIELDS}");
+        assert_eq!(f[3].0, PACKED_FIELDS);
+        assert_eq!(unpack_fields(&f[3].1).unwrap(), wide);
+        assert_eq!(DeadLetter::from_fields(&f).unwrap(), d);
+        // At the limit: verbatim.
+        let d = DeadLetter::new("1-0", None, "bad", 1, wide[1..].to_vec());
+        assert_eq!(d.into_fields().len(), 3 + MAX_VERBATIM_FIELDS);
+    }
+
+    #[test]
+    fn unpack_rejects_what_pack_never_writes() {
+        assert_eq!(unpack_fields(b""), Some(vec![]));
+        assert_eq!(
+            unpack_fields(b"1:a,0:,"),
+            Some(vec![("a".to_string(), vec![])])
+        );
+        for bad in [
+            &b"1:a,"[..],
+            b"x",
+            b"2:a,",
+            b"1:ab",
+            b":a,1:b,",
+            b"+1:a,1:b,",
+        ] {
+            assert_eq!(
+                unpack_fields(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]

@@ -59,3 +59,139 @@ impl Bill {
         out
     }
 }
+
+/// What one job has spent on provider calls, over this delivery and those a hand-back
+/// carried over ([`Spent::carried`]). Shared by reference between the job's `process`
+/// (which adds to it) and `handle` (which reads it after `abort`), so a job stopped by
+/// shutdown hands its spending on, and its final result and the cost totals count each
+/// paid call exactly once.
+#[derive(Debug, Default)]
+pub(super) struct Spent {
+    pub(super) bill: Bill,
+    /// Provider calls made (started) for the job.
+    pub(super) attempts: u64,
+    /// Models tried, in order (a model repeated only after another one).
+    pub(super) tried: Vec<String>,
+    /// A provider call was started in this delivery: a hand-back of it counts as a
+    /// delivery (`queue.max_deliveries`); one that never called a model does not.
+    pub(super) called: bool,
+}
+
+/// The `_billed` field of a handed-back entry (JSON; tokens and calls per model, cost as
+/// a decimal string, exact).
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Carried {
+    attempts: u64,
+    tried: Vec<String>,
+    models: BTreeMap<String, CarriedModel>,
+}
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct CarriedModel {
+    input_tokens: u64,
+    output_tokens: u64,
+    cached_tokens: u64,
+    cost_usd: Decimal,
+    calls: u64,
+}
+
+impl Spent {
+    /// Starts from what a hand-back carried (`_billed`); an unreadable value is logged
+    /// and counted as nothing (it is our own encoding, so only a hand edit breaks it).
+    pub(super) fn carried(billed: Option<&[u8]>, entry: &str) -> Spent {
+        let mut s = Spent::default();
+        let Some(raw) = billed else { return s };
+        let c: Carried = match serde_json::from_slice(raw) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(entry = %entry, error = %e, "unreadable _billed field of a handed-back job; its earlier spending is not counted");
+                return s;
+            }
+        };
+        s.attempts = c.attempts;
+        s.tried = c.tried;
+        for (model, m) in c.models {
+            let usage = Usage {
+                prompt_tokens: m.input_tokens,
+                completion_tokens: m.output_tokens,
+                cached_tokens: m.cached_tokens,
+            };
+            s.bill.usage.add(&usage);
+            s.bill.cost += m.cost_usd;
+            s.bill.per_model.insert(model, (usage, m.cost_usd, m.calls));
+        }
+        s
+    }
+
+    /// The `_billed` value to hand on; `None` when nothing was called yet.
+    pub(super) fn carry(&self) -> Option<Vec<u8>> {
+        if self.attempts == 0 {
+            return None;
+        }
+        let c = Carried {
+            attempts: self.attempts,
+            tried: self.tried.clone(),
+            models: self
+                .bill
+                .per_model
+                .iter()
+                .map(|(m, (u, cost, calls))| {
+                    let cm = CarriedModel {
+                        input_tokens: u.prompt_tokens,
+                        output_tokens: u.completion_tokens,
+                        cached_tokens: u.cached_tokens,
+                        cost_usd: *cost,
+                        calls: *calls,
+                    };
+                    (m.clone(), cm)
+                })
+                .collect(),
+        };
+        serde_json::to_vec(&c).ok()
+    }
+
+    /// Records the start of a call to `model`.
+    pub(super) fn start_call(&mut self, model: &str) {
+        self.called = true;
+        self.attempts += 1;
+        if self.tried.last().map(String::as_str) != Some(model) {
+            self.tried.push(model.to_string());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn carried_spending_round_trips_exactly() {
+        let price = Price {
+            input_per_mtok: Decimal::new(14, 2),
+            output_per_mtok: Decimal::new(42, 2),
+            cached_input_per_mtok: Some(Decimal::new(28, 3)),
+        };
+        let mut s = Spent::default();
+        s.start_call("m1");
+        s.bill.add(
+            "m1",
+            Some(Usage {
+                prompt_tokens: 7,
+                completion_tokens: 3,
+                cached_tokens: 2,
+            }),
+            &price,
+        );
+        s.start_call("m1");
+        s.start_call("m2");
+        let back = Spent::carried(s.carry().as_deref(), "1-0");
+        assert_eq!(back.attempts, 3);
+        assert_eq!(back.tried, ["m1", "m2"]);
+        assert!(!back.called, "a new delivery has not called yet");
+        assert_eq!(back.bill.cost, s.bill.cost);
+        assert_eq!(back.bill.usage, s.bill.usage);
+        assert_eq!(back.bill.cost_fields(), s.bill.cost_fields());
+        assert!(Spent::default().carry().is_none());
+        assert_eq!(Spent::carried(Some(b"nope"), "1-0").attempts, 0);
+    }
+}

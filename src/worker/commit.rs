@@ -162,6 +162,8 @@ impl Worker {
     }
 
     /// The commit for a job that cannot be processed: `invalid` result + dead letter.
+    /// What earlier deliveries of the job spent (`spent`, carried by a hand-back) is in
+    /// the result and the cost totals.
     pub(super) fn reject(
         &self,
         d: &Delivery,
@@ -170,6 +172,7 @@ impl Worker {
         status: ResultStatus,
         reason: &str,
         started: Instant,
+        spent: &Spent,
     ) -> Commit {
         let id = job_id.unwrap_or(&d.entry_id);
         let mut result = self.base_result(d, id, status, started);
@@ -178,7 +181,7 @@ impl Worker {
         // there was one); see `DeadLetter` for the shape.
         let dead = DeadLetter::new(&d.entry_id, job_id, reason, d.deliveries, d.fields.clone());
         metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
-        Commit {
+        let commit = Commit {
             dead: dead.into_fields(),
             // A dead job with a known id has a result: later copies of the id are duplicates.
             // Markers only for a producer's id (`keyed`; see `Job::keyed`).
@@ -187,20 +190,43 @@ impl Worker {
                 .map(str::to_string),
             inflight_id: job_id.filter(|_| keyed).map(str::to_string),
             ..Commit::result_only(&d.entry_id, result)
-        }
+        };
+        self.charge(commit, spent)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// `commit` (a result for which this delivery called no model) with what earlier
+    /// deliveries spent: their usage, cost, attempts and models tried in the result, their
+    /// cost totals added. Unchanged when nothing was spent.
+    pub(super) fn charge(&self, mut commit: Commit, spent: &Spent) -> Commit {
+        if spent.attempts == 0 {
+            return commit;
+        }
+        let Ok(mut result) = ResultEntry::from_fields(commit.result.iter().map(|(k, v)| (*k, v)))
+        else {
+            // Our own encoding always decodes; if it ever did not, the result stays as is.
+            return commit;
+        };
+        result.input_tokens = spent.bill.usage.prompt_tokens;
+        result.output_tokens = spent.bill.usage.completion_tokens;
+        result.cost_usd = spent.bill.cost;
+        result.attempts = spent.attempts;
+        result.tried = spent.tried.clone();
+        commit.result = result.into_fields();
+        commit.costs = spent.bill.cost_fields();
+        commit
+    }
+
+    /// The commit of a job that ran: its answer or error, with everything `spent` (this
+    /// delivery's calls and those a hand-back carried).
     pub(super) fn finish(
         &self,
         d: &Delivery,
         job: &Job,
         finished: Finished,
-        bill: &Bill,
-        attempts: u64,
-        tried: &[String],
+        spent: &Spent,
         started: Instant,
     ) -> Commit {
+        let bill = &spent.bill;
         let status = match finished {
             Finished::Ok { .. } => ResultStatus::Ok,
             Finished::Failed(_) => ResultStatus::Failed,
@@ -218,8 +244,8 @@ impl Worker {
         result.output_tokens = bill.usage.completion_tokens;
         result.cached_tokens = Some(bill.usage.cached_tokens);
         result.cost_usd = bill.cost;
-        result.attempts = attempts;
-        result.tried = tried.to_vec();
+        result.attempts = spent.attempts;
+        result.tried = spent.tried.clone();
         result.metadata = job.metadata.as_ref().map(|m| m.to_string());
         if !bill.warnings.is_empty() {
             result.warning = Some(provider::one_line(&bill.warnings.join("; ")));

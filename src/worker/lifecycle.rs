@@ -1,8 +1,11 @@
 //! One job's lifecycle: parse -> id check -> poison check -> route plan -> per attempt a
 //! slot and a provider call -> decision; handed back when shutdown stops it first.
 //!
-//! Invariant: no provider call starts after the first signal; a task's bookkeeping is
-//! undone by its drop guard on any exit (return, panic, cancellation).
+//! Invariants: no provider call starts after the first signal; a task's bookkeeping is
+//! undone by its drop guard on any exit (return, panic, cancellation); nothing is
+//! awaited between a provider's answer and the decision (the slot release is detached),
+//! so `abort` cannot cut a paid answer off from its commit; what calls cost is recorded
+//! in the task's `Spent` as they end, so a hand-back carries it.
 
 use crate::job::{self};
 use crate::provider::{self, CallError, ProviderClient};
@@ -10,8 +13,8 @@ use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus};
 use crate::router::{Candidate, Decision, ErrorClass, Plan};
 use crate::slots::{Lease, SlotError};
 use crate::sync::lock;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -25,8 +28,11 @@ impl Worker {
     /// [`JobGuard`], so it also happens on a panic.
     pub async fn handle(&self, d: Delivery, abort: CancellationToken) {
         let started = Instant::now();
+        let spent = Mutex::new(Spent::carried(d.billed.as_deref(), &d.entry_id));
         let commit = tokio::select! {
-            c = self.process(&d, started) => c,
+            // A job whose end is decided in the same poll as `abort` keeps its result.
+            biased;
+            c = self.process(&d, started, &spent) => c,
             _ = abort.cancelled() => {
                 tracing::info!(entry = %d.entry_id, "job cancelled by shutdown; handing it back");
                 metrics::counter!("llm_worker_jobs_abandoned_total").increment(1);
@@ -35,14 +41,22 @@ impl Worker {
         };
         match commit {
             Some(commit) => self.commit_until_written(&d, &commit, &abort).await,
-            None if self.draining.is_cancelled() => self.hand_back(&d).await,
+            None if self.draining.is_cancelled() => {
+                let (called, billed) = {
+                    let s = lock(&spent);
+                    (s.called, s.carry())
+                };
+                self.hand_back(&d, called, billed.as_deref()).await
+            }
             None => {}
         }
     }
 
-    /// Hands an unfinished job back (see [`Queue::hand_back`]); bounded, so a Redis outage
-    /// cannot hold up the exit: the job then stays pending for `queue.claim_idle_ms`.
-    pub(super) async fn hand_back(&self, d: &Delivery) {
+    /// Hands an unfinished job back (see [`Queue::hand_back`]), with what it spent; the
+    /// delivery counts toward `queue.max_deliveries` only if it `called` a model.
+    /// Bounded, so a Redis outage cannot hold up the exit: the job then stays pending for
+    /// `queue.claim_idle_ms`.
+    pub(super) async fn hand_back(&self, d: &Delivery, called: bool, billed: Option<&[u8]>) {
         let job_id = lock(&self.active)
             .get(&d.entry_id)
             .filter(|j| !j.is_empty())
@@ -50,9 +64,16 @@ impl Worker {
         // The reader ends within its BLOCK (+2 s bound) of the signal.
         let bound = self.cfg.queue.block_ms + Duration::from_secs(2);
         let _ = tokio::time::timeout(bound, self.reader_stopped.cancelled()).await;
+        // A delivery that never called a model (a rolling restart while it waited for a
+        // slot) is not one: the next read adds 1 back.
+        let deliveries = if called {
+            d.deliveries
+        } else {
+            d.deliveries.saturating_sub(1)
+        };
         let fut = self
             .queue
-            .hand_back(&d.entry_id, job_id.as_deref(), d.deliveries);
+            .hand_back(&d.entry_id, job_id.as_deref(), deliveries, billed);
         match tokio::time::timeout(Duration::from_millis(1000), fut).await {
             Ok(Ok(HandBack::Moved(new))) => {
                 tracing::info!(entry = %d.entry_id, new_entry = %new, "unfinished job handed back for another worker");
@@ -121,8 +142,14 @@ impl Worker {
     }
 
     /// Everything between reading a job and its commit. `None`: leave the job pending.
-    pub(super) async fn process(&self, d: &Delivery, started: Instant) -> Option<Commit> {
-        let mut bill = Bill::default();
+    /// What provider calls cost goes into `spent` as it happens (the caller reads it
+    /// when this future is dropped by `abort`).
+    pub(super) async fn process(
+        &self,
+        d: &Delivery,
+        started: Instant,
+        spent: &Mutex<Spent>,
+    ) -> Option<Commit> {
         let job = match job::parse(
             d.payload.as_deref(),
             d.first_entry.as_deref().unwrap_or(&d.entry_id),
@@ -141,6 +168,7 @@ impl Worker {
                     ResultStatus::Invalid,
                     &e.to_string(),
                     started,
+                    &lock(spent),
                 ));
             }
         };
@@ -168,7 +196,8 @@ impl Worker {
                 Ok(IdClaim::Done { result_id, status }) => {
                     tracing::info!(entry = %d.entry_id, job = %job.id, original = %result_id, "duplicate job id; acknowledged without a model call");
                     metrics::counter!("llm_worker_jobs_duplicate_total").increment(1);
-                    return Some(self.duplicate(d, &job, &result_id, &status, started).await);
+                    let dup = self.duplicate(d, &job, &result_id, &status, started).await;
+                    return Some(self.charge(dup, &lock(spent)));
                 }
                 Ok(IdClaim::Busy { other_entry }) => {
                     tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
@@ -188,6 +217,7 @@ impl Worker {
                         ResultStatus::Failed,
                         &reason,
                         started,
+                        &lock(spent),
                     ));
                 }
                 Err(e) => {
@@ -217,10 +247,11 @@ impl Worker {
                 ResultStatus::Dead,
                 &reason,
                 started,
+                &lock(spent),
             ));
         }
         if !d.extra_fields.is_empty() {
-            bill.warnings.push(format!(
+            lock(spent).bill.warnings.push(format!(
                 "ignored stream fields other than payload: {}",
                 d.extra_fields.join(", ")
             ));
@@ -245,11 +276,10 @@ impl Worker {
                 ResultStatus::Invalid,
                 "no model to run on",
                 started,
+                &lock(spent),
             ));
         }
         let mut plan = Plan::new(candidates, self.policy);
-        let mut attempts = 0u64;
-        let mut tried: Vec<String> = vec![];
         let finished = loop {
             // The local rate limit first: a fleet slot is never held while waiting on it.
             // Draining: no provider call starts after the first signal (the job is handed
@@ -272,11 +302,8 @@ impl Worker {
                 release_unused(lease).await;
                 return None;
             }
-            if tried.last() != Some(&cand.model) {
-                tried.push(cand.model.clone());
-            }
+            lock(spent).start_call(&cand.model);
             plan.record_attempt();
-            attempts += 1;
             let Some(client) = self.providers.get(&cand.provider) else {
                 break Finished::Failed(format!("provider {} not configured", cand.provider));
             };
@@ -286,9 +313,18 @@ impl Worker {
             if lease.is_lost() {
                 tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
             }
-            if let Err(e) = lease.release().await {
-                tracing::warn!(error = %e, "slot release failed; its TTL frees it");
+            {
+                let mut s = lock(spent);
+                if let Some(price) = self.prices.get(&cand.model) {
+                    s.bill.add(&cand.model, outcome.usage, price);
+                }
+                if outcome.usage.is_none() && outcome.result.is_ok() {
+                    s.bill.usage_missing(&cand.model);
+                }
             }
+            // Never awaited here: nothing (a slow Redis, `abort`) may stand between a paid
+            // answer and its commit.
+            self.release_detached(lease);
             let label = match &outcome.result {
                 Ok(_) => "ok",
                 Err(e) => class_label(&e.class),
@@ -297,12 +333,6 @@ impl Worker {
                 .increment(1);
             metrics::histogram!("llm_worker_provider_call_seconds", "model" => cand.model.clone())
                 .record(call_started.elapsed().as_secs_f64());
-            if let Some(price) = self.prices.get(&cand.model) {
-                bill.add(&cand.model, outcome.usage, price);
-            }
-            if outcome.usage.is_none() && outcome.result.is_ok() {
-                bill.usage_missing(&cand.model);
-            }
             match outcome.result {
                 Ok(completion) => {
                     break Finished::Ok {
@@ -327,7 +357,7 @@ impl Worker {
                 }
             }
         };
-        Some(self.finish(d, &job, finished, &bill, attempts, &tried, started))
+        Some(self.finish(d, &job, finished, &lock(spent), started))
     }
 
     /// A slot for the plan's current model; if its pool stays busy past
@@ -395,6 +425,26 @@ pub(super) enum Finished {
     Failed(String),
 }
 
+impl Worker {
+    /// Releases the slot of a finished call in a task of its own, bounded by
+    /// [`RELEASE_BOUND`] (past it the slot's TTL frees it). The reader's `run` waits for
+    /// these tasks (bounded) before the daemon's `release_all`.
+    pub(super) fn release_detached(&self, lease: Lease) {
+        self.releases.spawn(async move {
+            #[cfg(debug_assertions)]
+            debug_hooks::slow_release().await;
+            match tokio::time::timeout(RELEASE_BOUND, lease.release()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "slot release failed; its TTL frees it"),
+                Err(_) => tracing::warn!("slot release timed out; its TTL frees it"),
+            }
+        });
+    }
+}
+
+/// How long a detached slot release may take.
+pub(super) const RELEASE_BOUND: Duration = Duration::from_secs(5);
+
 /// Gives back a slot taken for a call that will not start (draining began).
 pub(super) async fn release_unused(lease: Lease) {
     if let Err(e) = lease.release().await {
@@ -448,10 +498,23 @@ pub(super) fn class_label(c: &ErrorClass) -> &'static str {
 /// Fault injection for the integration tests, compiled into debug builds only (release
 /// binaries carry none of it). `LLM_WORKER_DEBUG_PANIC_ONCE_JOB=<job id>`: the first task
 /// of this process that reaches the idempotency check for that id panics, as a bug in
-/// the job path would.
+/// the job path would. `LLM_WORKER_DEBUG_SLOW_RELEASE_MS=<ms>`: the release of a slot
+/// after a provider call waits that long first, as with a Redis that stalls just then.
 #[cfg(debug_assertions)]
 pub(super) mod debug_hooks {
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    pub(super) async fn slow_release() {
+        let Some(ms) = std::env::var("LLM_WORKER_DEBUG_SLOW_RELEASE_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return;
+        };
+        tracing::warn!(ms, "debug hook: slowing a slot release");
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
 
     static FIRED: AtomicBool = AtomicBool::new(false);
 

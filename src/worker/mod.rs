@@ -12,7 +12,9 @@
 //!   self-reclaim is skipped), and a task's bookkeeping is undone by its drop guard;
 //! - no provider call starts after the first signal; a job stopped by shutdown without a
 //!   result is handed back to the fleet (or, if Redis is away, left pending);
-//! - every provider call holds a slot of its model's pool for its whole duration.
+//! - every provider call holds a slot of its model's pool for its whole duration; its
+//!   release is detached from the job, so it never stands between a paid answer and its
+//!   commit.
 
 mod bill;
 mod commit;
@@ -68,6 +70,9 @@ pub struct Worker {
     /// Fired when the reader loop has ended: hand-backs wait for it, so a draining worker
     /// never reads its own handed-back entries (its last blocking read is not cut short).
     reader_stopped: CancellationToken,
+    /// Slot releases after a call, detached from their job (see
+    /// `Worker::release_detached`); `run` waits for them, bounded, before it returns.
+    releases: tokio_util::task::TaskTracker,
 }
 
 impl Worker {
@@ -110,6 +115,7 @@ impl Worker {
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
             draining: CancellationToken::new(),
             reader_stopped: CancellationToken::new(),
+            releases: tokio_util::task::TaskTracker::new(),
         })
     }
 }

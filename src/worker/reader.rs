@@ -157,6 +157,15 @@ impl Worker {
                 ),
             }
         }
+        // Detached slot releases end before the daemon's release-all (which covers any
+        // still waiting past this bound).
+        self.releases.close();
+        if tokio::time::timeout(Duration::from_secs(1), self.releases.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("slot releases still running at exit; releasing every slot instead");
+        }
     }
 
     /// Starts a task on `d`. The entry joins `active` now (so a reclaim of it is skipped
