@@ -164,6 +164,7 @@ impl Worker {
     /// The commit for a job that cannot be processed: `invalid` result + dead letter.
     /// What earlier deliveries of the job spent (`spent`, carried by a hand-back) is in
     /// the result and the cost totals.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn reject(
         &self,
         d: &Delivery,
