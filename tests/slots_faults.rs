@@ -146,6 +146,66 @@ async fn slot_handed_to_a_sigkilled_waiter_comes_back_well_before_ttl() -> anyho
     Ok(())
 }
 
+/// A process whose only waiter gave up (its acquire timed out) does not stay in the
+/// pool's waiter queue: the next release hands the slot to a process that still waits,
+/// not to the one that stopped waiting (which would hold it, unused, for the hand-off
+/// lease). The same stale entry was left, under load, by a waiting tick of the driver
+/// racing with an acquire's first try (the flaky `slot_handed_to_a_sigkilled_waiter...`:
+/// the releaser handed the slot to itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_gave_up_leaves_the_queue() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 10_000;
+    let mut conn = redis.conn().await;
+    let cancel = CancellationToken::new();
+    let t = Duration::from_secs(5);
+
+    let h = slots_for(&tc, "ph", &cancel).await;
+    let lease = tokio::time::timeout(t, h.acquire("default", t)).await??;
+    let a = slots_for(&tc, "pa", &cancel).await;
+    let gave_up = a.acquire("default", Duration::from_millis(300)).await;
+    assert!(
+        matches!(gave_up, Err(llm_worker::slots::SlotError::Timeout { .. })),
+        "A's acquire times out while H holds the only slot: {gave_up:?}"
+    );
+    // A's driver ends its last wait (BLPOP, at most a second): nobody here blocks now.
+    let idle = wait_for(t, || {
+        let mut c = conn.clone();
+        async move {
+            let info: String = redis::cmd("INFO")
+                .arg("clients")
+                .query_async(&mut c)
+                .await
+                .unwrap_or_default();
+            info.lines().any(|l| l.trim() == "blocked_clients:0")
+        }
+    })
+    .await;
+    assert!(idle, "A's driver stops waiting once A's acquire gave up");
+    let b = slots_for(&tc, "pb", &cancel).await;
+    let bs = b.clone();
+    let b_wait = tokio::spawn(async move { bs.acquire("default", Duration::from_secs(30)).await });
+    assert!(queued(&conn, b.token(), t).await, "B queues for the slot");
+    lease.release().await?;
+    let handed = holder(&mut conn, SLOT0).await;
+    assert_eq!(
+        handed.as_deref(),
+        Some(b.token()),
+        "the release hands the slot to B, the only process still waiting (not to A, whose \
+         acquire gave up)"
+    );
+    let got = tokio::time::timeout(t, b_wait).await???;
+    got.release().await?;
+    for s in [&h, &a, &b] {
+        tokio::time::timeout(t, s.release_all()).await??;
+    }
+    cancel.cancel();
+    Ok(())
+}
+
 /// Point 12: N long calls run (latency >> ttl) and more jobs wait, in two processes;
 /// redis-server is stopped for twice `slots.ttl_ms`, then continued. The time Redis could
 /// not answer does not count against the holders: the provider never sees more than N
