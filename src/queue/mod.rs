@@ -224,6 +224,7 @@ pub struct Queue {
     group: String,
     consumer: String,
     results_maxlen: u64,
+    /// `queue.dedupe_ttl_s` in whole seconds (the scripts' EX unit).
     dedupe_ttl_s: u64,
     delete_acked: bool,
     commit_script: redis::Script,
@@ -283,7 +284,7 @@ impl Queue {
             group: cfg.queue.group.clone(),
             consumer: cfg.queue.consumer.clone(),
             results_maxlen: cfg.queue.results_maxlen,
-            dedupe_ttl_s: cfg.queue.dedupe_ttl_s,
+            dedupe_ttl_s: cfg.queue.dedupe_ttl_s.as_secs(),
             delete_acked: cfg.queue.delete_acked,
             commit_script: scripts::COMMIT.clone(),
             claim_id_script: scripts::CLAIM_ID.clone(),
