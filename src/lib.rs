@@ -1,4 +1,5 @@
 //! llm-worker: a Redis-stream-driven LLM worker. See ARCHITECTURE.md for the map.
+pub mod backoff;
 pub mod config;
 pub mod connect;
 pub mod cost;

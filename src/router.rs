@@ -4,6 +4,7 @@
 //! Invariant: no IO and no clock. Randomness (jitter) is passed in as a number in [0, 1),
 //! so every decision is reproducible in a unit test.
 
+use crate::backoff::Backoff;
 pub use crate::outcome::ErrorClass;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -29,6 +30,13 @@ pub struct RetryPolicy {
     pub base_delay: Duration,
     pub max_delay: Duration,
     pub max_retry_after: Duration,
+}
+
+impl RetryPolicy {
+    /// The retry delay schedule: `base_delay` doubling to `max_delay`.
+    pub fn backoff(&self) -> Backoff {
+        Backoff::new(self.base_delay, self.max_delay)
+    }
 }
 
 /// The next step after a failed attempt.
@@ -112,19 +120,6 @@ impl Plan {
         }
     }
 
-    /// Exponential backoff with equal jitter: the n-th retry (n >= 1) waits a uniform
-    /// time in [d/2, d], d = min(max_delay, base_delay * 2^(n-1)). `jitter` in [0, 1).
-    pub fn backoff(&self, n: u32, jitter: f64) -> Duration {
-        let base = self.policy.base_delay.as_millis() as u64;
-        let max = self.policy.max_delay.as_millis() as u64;
-        let exp = base
-            .saturating_mul(1u64 << (n.saturating_sub(1)).min(32))
-            .min(max);
-        let half = exp / 2;
-        let j = jitter.clamp(0.0, 1.0);
-        Duration::from_millis(half + ((exp - half) as f64 * j) as u64)
-    }
-
     /// Decide what follows a failed attempt of the current model.
     pub fn on_error(&mut self, class: &ErrorClass, jitter: f64) -> Decision {
         let exhausted = self.attempts_on_current >= self.policy.max_attempts_per_model;
@@ -154,14 +149,21 @@ impl Plan {
             ErrorClass::RateLimited { retry_after } => match retry_after {
                 Some(after) if *after > self.policy.max_retry_after => self.next_usable(),
                 _ if exhausted => self.next_usable(),
-                Some(after) => Decision::RetryAfter(*after),
-                None => Decision::RetryAfter(self.backoff(self.attempts_on_current, jitter)),
+                _ => Decision::RetryAfter(self.policy.backoff().delay_or_after(
+                    self.attempts_on_current,
+                    jitter,
+                    *retry_after,
+                )),
             },
             ErrorClass::Transient => {
                 if exhausted {
                     self.next_usable()
                 } else {
-                    Decision::RetryAfter(self.backoff(self.attempts_on_current, jitter))
+                    Decision::RetryAfter(
+                        self.policy
+                            .backoff()
+                            .delay(self.attempts_on_current, jitter),
+                    )
                 }
             }
         }
@@ -226,16 +228,6 @@ mod tests {
             decisions[1],
             Decision::RetryAfter(Duration::from_millis(500))
         );
-    }
-
-    #[test]
-    fn backoff_is_bounded_and_jittered() {
-        let p = plan();
-        assert_eq!(p.backoff(1, 0.0), Duration::from_millis(250));
-        assert_eq!(p.backoff(1, 0.999_999), Duration::from_millis(499));
-        assert_eq!(p.backoff(3, 0.0), Duration::from_millis(1000));
-        assert_eq!(p.backoff(10, 0.0), Duration::from_millis(4000));
-        assert!(p.backoff(60, 0.99) <= Duration::from_millis(8000));
     }
 
     /// The schedule as the worker sleeps it (`tokio::time::sleep(after)` per

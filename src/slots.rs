@@ -50,6 +50,7 @@
 //!   a worker configured with another N logs an error and uses the recorded one, so a
 //!   misconfigured pod cannot overshoot the quota.
 
+use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::connect::{ConnectError, blocking_connection};
 use crate::sync::lock;
@@ -686,6 +687,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
     let wake_key = format!("{}{}", inner.keys.wake_prefix(), inner.token);
     let mut conn: Option<MultiplexedConnection> = None;
     let mut failing = false;
+    let mut backoff = Backoff::redis();
     loop {
         if cancel.is_cancelled() || inner.stopped.load(Ordering::SeqCst) {
             return;
@@ -712,7 +714,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                         tracing::warn!(error = %e, "slot waiter cannot reach Redis; retrying");
                         failing = true;
                     }
-                    sleep_or_cancel(Duration::from_millis(250), &cancel).await;
+                    backoff.sleep(&cancel).await;
                     continue;
                 }
             }
@@ -731,6 +733,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                     tracing::info!("slot waiter reached Redis again");
                     failing = false;
                 }
+                backoff.reset();
                 v
             }
             Ok(Err(e)) => {
@@ -739,7 +742,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                     failing = true;
                 }
                 conn = None;
-                sleep_or_cancel(Duration::from_millis(100), &cancel).await;
+                backoff.sleep(&cancel).await;
                 continue;
             }
             Err(_) => {
@@ -827,13 +830,6 @@ async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
                 return;
             }
         }
-    }
-}
-
-async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => {}
-        _ = cancel.cancelled() => {}
     }
 }
 

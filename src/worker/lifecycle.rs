@@ -147,7 +147,7 @@ impl Worker {
         #[cfg(debug_assertions)]
         debug_hooks::maybe_panic(&job.id);
         // Idempotency by id: one model call per id, however many copies are pushed.
-        let mut backoff = Backoff::new();
+        let mut backoff = Backoff::redis();
         let mut busy_since = None;
         loop {
             match self.queue.claim_id(&job.id, &d.entry_id).await {
@@ -183,7 +183,7 @@ impl Worker {
                 }
                 Err(e) => {
                     // One line per job, not per retry: the reader logs the outage itself.
-                    if backoff.next == Duration::from_millis(100) {
+                    if backoff.failures() == 0 {
                         tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying until Redis answers");
                     }
                     backoff.sleep(&self.draining).await;
@@ -319,7 +319,7 @@ impl Worker {
     /// when the slots are stopped (shutdown): the job is then left pending.
     pub(super) async fn take_slot(&self, plan: &mut Plan) -> Option<Lease> {
         let timeout = self.cfg.slots.acquire_timeout_ms;
-        let mut backoff = Backoff::new();
+        let mut backoff = Backoff::redis();
         loop {
             let pool = plan.current().pool.clone();
             let acquired = self
@@ -343,7 +343,7 @@ impl Worker {
                 Err(SlotError::Stopped) => return None,
                 Err(e) => {
                     // One line per job, not per retry: the reader logs the outage itself.
-                    if backoff.next == Duration::from_millis(100) {
+                    if backoff.failures() == 0 {
                         tracing::warn!(error = %e, pool = %pool, "cannot take a slot; retrying until Redis answers");
                     }
                     backoff.sleep(&self.draining).await;
