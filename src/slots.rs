@@ -142,12 +142,15 @@ pub enum SlotError {
     #[error("slots are shut down (the worker is stopping)")]
     Stopped,
     #[error("redis: {0} (retry when Redis answers again)")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
     #[error("redis pool: {0} (retry when Redis answers again)")]
-    Pool(#[from] deadpool_redis::PoolError),
+    Pool(deadpool_redis::PoolError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
 }
+
+from_cause!(SlotError, SlotError::Redis, redis::RedisError);
+from_cause!(SlotError, SlotError::Pool, deadpool_redis::PoolError);
 
 struct Waiter {
     id: u64,
@@ -589,9 +592,6 @@ fn lease_lost(pool: &str, idx: u32, why: &str) {
 }
 
 impl Lease {
-    pub fn pool(&self) -> &str {
-        &self.pool
-    }
     pub fn index(&self) -> u32 {
         self.idx
     }

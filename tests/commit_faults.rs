@@ -376,12 +376,7 @@ async fn a_reply_lost_after_the_commit_counts_as_written() -> anyhow::Result<()>
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);
     // Another worker's commit of the same entry is superseded.
     let other = result_commit(&ids[0], "lost-1", "ok", "someone-else");
-    let q2 = {
-        let mut cfg = TestConfig::new(&redis, &sim).parsed();
-        cfg.queue.consumer = "someone-else-2".into();
-        let pool = llm_worker::connect::command_pool(&cfg, 4)?;
-        Queue::new(&cfg, pool)
-    };
+    let q2 = queue_as(&redis, &sim, "someone-else-2");
     let sup = format!("{:?}", q2.commit(&other).await?);
     assert!(sup.contains("Superseded"), "{sup}");
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);

@@ -28,14 +28,17 @@ pub enum QueueError {
     /// Connection, timeout or server error; [`QueueError::heals`] says whether retrying
     /// the same command can succeed.
     #[error("redis: {0}")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
     #[error("redis pool: {0} (retry when Redis answers again)")]
-    Pool(#[from] deadpool_redis::PoolError),
+    Pool(deadpool_redis::PoolError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
     #[error("redis did not answer within {0:?} (retry when Redis answers again)")]
     Timeout(Duration),
 }
+
+from_cause!(QueueError, QueueError::Redis, redis::RedisError);
+from_cause!(QueueError, QueueError::Pool, deadpool_redis::PoolError);
 
 /// Server error codes that go away by themselves: memory freed under `noeviction`, a
 /// dataset loading, a failover or resharding in progress, a busy script.
@@ -296,10 +299,6 @@ impl Queue {
 
     pub fn consumer(&self) -> &str {
         &self.consumer
-    }
-
-    pub fn pool(&self) -> &deadpool_redis::Pool {
-        &self.pool
     }
 
     /// Creates the consumer group at id 0 with MKSTREAM (jobs pushed before the first
