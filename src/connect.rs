@@ -13,12 +13,14 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     #[error("redis: {0} (retry when Redis answers again)")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
     #[error("redis url: {0} (fix redis.url)")]
     Url(String),
     #[error("redis did not answer within {0:?} (retry when Redis answers again)")]
     Timeout(Duration),
 }
+
+from_cause!(ConnectError, ConnectError::Redis, redis::RedisError);
 
 /// Connection info from config: `redis.url`, with the password from `redis.password_env` if set.
 pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {

@@ -6,6 +6,7 @@
 //! period, the rest are cancelled and handed back; then every slot is released and this
 //! worker's consumer removed from the group (if it owns no pending entry), then return.
 
+use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::connect::commands;
 use crate::queue::{Queue, QueueError};
@@ -13,7 +14,7 @@ use crate::server;
 use crate::shutdown::Shutdown;
 use crate::slots::{SlotError, Slots};
 use crate::state::WorkerState;
-use crate::worker::{Backoff, Worker, WorkerError};
+use crate::worker::{Worker, WorkerError};
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,7 +62,7 @@ pub async fn run(
     });
 
     // Slots need Redis (to record N); wait for it, but give up on a signal.
-    let mut backoff = Backoff::new();
+    let mut backoff = Backoff::redis();
     let mut logged = false;
     let slots = loop {
         match Slots::connect(&cfg, pool.clone()).await {

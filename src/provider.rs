@@ -44,15 +44,13 @@ pub struct Outcome {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
-    #[error("provider {name}: cannot build HTTP client: {source}")]
-    Client {
-        name: String,
-        source: reqwest::Error,
-    },
+    /// `error` is printed in the message, so it is not also the `source()` (see
+    /// `from_cause!`).
+    #[error("provider {name}: cannot build HTTP client: {error}")]
+    Client { name: String, error: reqwest::Error },
 }
 
 pub struct ProviderClient {
-    name: String,
     http: reqwest::Client,
     url: String,
     api_key: Option<Secret>,
@@ -66,22 +64,17 @@ impl ProviderClient {
             .connect_timeout(cfg.timeout_ms.min(Duration::from_secs(10)))
             .pool_max_idle_per_host(256)
             .build()
-            .map_err(|source| ProviderError::Client {
+            .map_err(|error| ProviderError::Client {
                 name: name.to_string(),
-                source,
+                error,
             })?;
         let rps = cfg.requests_per_second;
         Ok(ProviderClient {
-            name: name.to_string(),
             http,
             url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
             api_key: cfg.api_key.clone(),
             limiter: RateLimiter::direct(Quota::per_second(rps)),
         })
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
     }
 
     /// The request body for one attempt: the job's payload with the worker's own fields

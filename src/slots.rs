@@ -13,7 +13,11 @@
 //! - **waiting**: one driver task per process blocks (BLPOP, on a connection of its own)
 //!   on the process's hand-off list, for at most the time until the nearest lease expires,
 //!   and serves the process's local waiters in FIFO order. Waiters in one process share
-//!   that one wait; processes are served round robin;
+//!   that one wait; processes are served round robin. A process is in the fleet queue
+//!   only while one of its local waiters waits: every step that queues it (a try that
+//!   enqueues) or takes it out (`leave_if_idle`, when an acquire gives up) runs under the
+//!   pool's `queue_lock` and checks the local waiters first, since a release hands the
+//!   slot to the queue's live head whether or not anyone there still wants it;
 //! - **renewal** (`slot_renew.lua`): one script every `ttl / 8` for every lease of the
 //!   process, extending leases whose value is still our token; a lease that lapsed (the
 //!   process was paused or cut off alone) is taken again, ahead of the queue since its
@@ -46,6 +50,7 @@
 //!   a worker configured with another N logs an error and uses the recorded one, so a
 //!   misconfigured pod cannot overshoot the quota.
 
+use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::connect::{Commands, ConnectError, blocking_connection};
 use crate::sync::lock;
@@ -137,12 +142,15 @@ pub enum SlotError {
     #[error("slots are shut down (the worker is stopping)")]
     Stopped,
     #[error("redis: {0} (retry when Redis answers again)")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
     #[error("redis pool: {0} (retry when Redis answers again)")]
-    Pool(#[from] deadpool_redis::PoolError),
+    Pool(deadpool_redis::PoolError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
 }
+
+from_cause!(SlotError, SlotError::Redis, redis::RedisError);
+from_cause!(SlotError, SlotError::Pool, deadpool_redis::PoolError);
 
 struct Waiter {
     id: u64,
@@ -164,6 +172,13 @@ struct PoolState {
     next_check: Mutex<Instant>,
     /// The slot this process released last: the acquire script tries it first.
     hint: AtomicU32,
+    /// Held by every step that may put this process into the pool's fleet queue (a try
+    /// that enqueues) or take it out (`leave_if_idle`), each checking the local waiters
+    /// under it. Without it a try of the driver, on the wire while an acquire's first try
+    /// took a slot and its waiter left, queued the process with nobody here waiting: the
+    /// next release handed the slot to a process that did not want it (see
+    /// `leave_if_idle`).
+    queue_lock: tokio::sync::Mutex<()>,
 }
 
 impl PoolState {
@@ -172,6 +187,11 @@ impl PoolState {
         let mut w = lock(&self.waiters);
         w.retain(|x| !x.tx.is_closed());
         !w.is_empty()
+    }
+
+    /// True while local waiter `id` has not been served (or abandoned).
+    fn is_waiting(&self, id: u64) -> bool {
+        lock(&self.waiters).iter().any(|x| x.id == id)
     }
 }
 
@@ -272,6 +292,7 @@ impl Slots {
                         waiters: Mutex::new(VecDeque::new()),
                         next_check: Mutex::new(Instant::now()),
                         hint: AtomicU32::new(0),
+                        queue_lock: tokio::sync::Mutex::new(()),
                     },
                 );
             }
@@ -354,14 +375,24 @@ impl Slots {
             w.len() == 1
         };
         if first {
-            match try_take(inner, ps, true).await {
-                Ok(Try::Got(i)) => {
+            let queue = ps.queue_lock.lock().await;
+            // The driver may have served us while we waited for the lock; then the
+            // lease is in `rx` already, and a try would only queue us for nothing.
+            let tried = if ps.is_waiting(id) {
+                Some(try_take(inner, ps, true).await)
+            } else {
+                None
+            };
+            match tried {
+                None => {}
+                Some(Ok(Try::Got(i))) => {
                     let lease = make_lease(inner, ps, i);
                     if !remove_waiter(ps, id) {
-                        // The driver took our entry meanwhile; whatever it sends us is
+                        // A hand-off reached our entry meanwhile; whatever it sends us is
                         // dropped with `rx` and so released.
                         drop(rx);
                     }
+                    drop(queue);
                     if ps.has_waiters() {
                         // Local waiters queued behind us while our try was on the wire;
                         // they counted on it to queue this process, but taking a slot
@@ -378,10 +409,10 @@ impl Slots {
                     observe_wait(pool, started);
                     return Ok(lease);
                 }
-                Ok(Try::Wait(d)) => {
+                Some(Ok(Try::Wait(d))) => {
                     *lock(&ps.next_check) = Instant::now() + d;
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     remove_waiter(ps, id);
                     return Err(e);
                 }
@@ -401,6 +432,7 @@ impl Slots {
                     observe_wait(pool, started);
                     return Ok(lease);
                 }
+                leave_if_idle(inner, ps).await;
                 Err(SlotError::Timeout {
                     pool: pool.to_string(),
                     waited: started.elapsed(),
@@ -449,6 +481,31 @@ impl Slots {
 fn observe_wait(pool: &str, started: Instant) {
     metrics::histogram!("llm_worker_slot_wait_seconds", "pool" => pool.to_string())
         .record(started.elapsed().as_secs_f64());
+}
+
+/// Takes this process out of `ps`'s fleet queue if nobody here waits for the pool any
+/// more. Every release hands a slot to the queue's live head, so a process queued with
+/// no local waiter would be handed a slot it does not want: its driver (which blocks
+/// only while something waits) would not even pick it up, and the slot would sit idle
+/// for the hand-off lease while the processes behind it wait. Best effort: if Redis
+/// does not answer, the entry lapses with the process's liveness key (`WAITER_ALIVE_MS`).
+async fn leave_if_idle(inner: &Inner, ps: &PoolState) {
+    let _queue = ps.queue_lock.lock().await;
+    if ps.has_waiters() {
+        return;
+    }
+    let left = async {
+        let mut conn = inner.conn.get().await?;
+        let _: i64 = redis::cmd("ZREM")
+            .arg(&ps.queue_key)
+            .arg(&inner.token)
+            .query_async(&mut conn)
+            .await?;
+        Ok::<(), SlotError>(())
+    };
+    if let Err(e) = left.await {
+        tracing::debug!(error = %e, pool = %ps.name, "leaving the slot queue failed; the entry lapses with our liveness key");
+    }
 }
 
 fn remove_waiter(ps: &PoolState, id: u64) -> bool {
@@ -537,9 +594,6 @@ fn lease_lost(pool: &str, idx: u32, why: &str) {
 }
 
 impl Lease {
-    pub fn pool(&self) -> &str {
-        &self.pool
-    }
     pub fn index(&self) -> u32 {
         self.idx
     }
@@ -636,6 +690,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
     let wake_key = format!("{}{}", inner.keys.wake_prefix(), inner.token);
     let mut conn: Option<MultiplexedConnection> = None;
     let mut failing = false;
+    let mut backoff = Backoff::redis();
     loop {
         if cancel.is_cancelled() || inner.stopped.load(Ordering::SeqCst) {
             return;
@@ -662,7 +717,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                         tracing::warn!(error = %e, "slot waiter cannot reach Redis; retrying");
                         failing = true;
                     }
-                    sleep_or_cancel(Duration::from_millis(250), &cancel).await;
+                    backoff.sleep(&cancel).await;
                     continue;
                 }
             }
@@ -681,6 +736,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                     tracing::info!("slot waiter reached Redis again");
                     failing = false;
                 }
+                backoff.reset();
                 v
             }
             Ok(Err(e)) => {
@@ -689,7 +745,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                     failing = true;
                 }
                 conn = None;
-                sleep_or_cancel(Duration::from_millis(100), &cancel).await;
+                backoff.sleep(&cancel).await;
                 continue;
             }
             Err(_) => {
@@ -751,9 +807,13 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
 /// "2 ms" tick is a BLPOP timeout, which Redis only checks on its `hz` timer: up to 100 ms
 /// at the default hz 10; measured p99 hand-off gap 80 ms before this loop, 2.3 ms after.)
 async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
+    let _queue = ps.queue_lock.lock().await;
     loop {
         if inner.stopped.load(Ordering::SeqCst) {
             return; // released everything; take nothing more
+        }
+        if !ps.has_waiters() {
+            return; // a try now would queue this process with nobody here waiting
         }
         match try_take(inner, ps, true).await {
             Ok(Try::Got(i)) => {
@@ -773,13 +833,6 @@ async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
                 return;
             }
         }
-    }
-}
-
-async fn sleep_or_cancel(d: Duration, cancel: &CancellationToken) {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => {}
-        _ = cancel.cancelled() => {}
     }
 }
 

@@ -23,12 +23,15 @@ pub enum ToolError {
     #[error(transparent)]
     Connect(#[from] ConnectError),
     #[error("redis: {0} (is Redis running at redis.url?)")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
     #[error("{0}")]
     Input(String),
     #[error("io: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
 }
+
+from_cause!(ToolError, ToolError::Redis, redis::RedisError);
+from_cause!(ToolError, ToolError::Io, std::io::Error);
 
 async fn conn(cfg: &Config) -> Result<redis::aio::MultiplexedConnection, ToolError> {
     let client = redis::Client::open(connection_info(cfg)?)?;
@@ -158,7 +161,7 @@ fn to_row(id: redis::streams::StreamId) -> ResultRow {
 
 /// Finds the result of job `job_id`: through its dedupe marker when present, else by
 /// scanning the results stream from the newest entry.
-pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultRow>, ToolError> {
+async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultRow>, ToolError> {
     let keys = Keys::new(&cfg.queue.namespace);
     let mut c = conn(cfg).await?;
     if let Some(marker) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
@@ -187,7 +190,7 @@ pub async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultRow>
     }
 }
 
-pub fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::Result<()> {
+fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::Result<()> {
     let r = match &e.1 {
         Ok(r) => r,
         Err(err) => {

@@ -142,6 +142,16 @@ async fn zero_slots_from_env_is_exit_2() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_idle_below_the_floor_is_exit_2_naming_key_and_minimum() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = TestConfig::with_urls(&dead_redis_url(), unused_sim()).write(dir.path(), "c.toml");
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "100")];
+    assert_config_error(&p, &env, "queue.claim_idle_ms").await;
+    let out = run_bin_async(&["--config", p.to_str().unwrap(), "check-config"], &env, T).await;
+    assert!(out.stderr.contains("at least 200"), "{}", out.all());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_config_prints_the_config_without_the_api_key() {
     let redis = dead_redis_url();
     let cfg = default_toml();

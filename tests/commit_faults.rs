@@ -257,18 +257,7 @@ async fn redis_full_holds_the_result_then_commits_it_once() -> anyhow::Result<()
     let used = used_memory(&mut conn).await;
     let big = vec![b'x'; 8 << 20];
     let _: () = conn.set("{llm}:big", big).await?;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query_async(&mut conn)
-        .await?;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(used + (4 << 20))
-        .query_async(&mut conn)
-        .await?;
+    set_maxmemory(&mut conn, used + (4 << 20)).await;
     let full = wait_for(Duration::from_secs(10), || {
         let mut c = conn.clone();
         async move {
@@ -288,12 +277,7 @@ async fn redis_full_holds_the_result_then_commits_it_once() -> anyhow::Result<()
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 0);
     let _: () = conn.del("{llm}:big").await?;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(0)
-        .query_async(&mut conn)
-        .await?;
+    set_maxmemory(&mut conn, 0).await;
     context(
         wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
         &[&w],
@@ -312,37 +296,19 @@ async fn redis_full_holds_the_result_then_commits_it_once() -> anyhow::Result<()
     Ok(())
 }
 
-async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("memory")
-        .query_async(conn)
-        .await
-        .expect("info");
-    info.lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("used_memory")
-}
-
-/// The process id of a test's redis-server (from INFO), for SIGSTOP/SIGCONT.
-async fn redis_pid(conn: &mut redis::aio::MultiplexedConnection) -> u32 {
-    let info: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(conn)
-        .await
-        .expect("info");
-    info.lines()
-        .find_map(|l| l.strip_prefix("process_id:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("process_id")
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_stopped_longer_than_claim_idle_pays_every_job_once() -> anyhow::Result<()> {
+/// Two workers (`claim_idle_ms` 1000, 4 jobs each at once) run `JOBS` calls of 1.5 to
+/// 4.5 s; `cut(true)` cuts Redis off from both for 8 x claim_idle_ms (long enough for
+/// the pool's connection checks and connects, 2 s each, to fail, so commits fail rather
+/// than wait), then `cut(false)` ends the fault. Some calls end while Redis is away
+/// (their results wait), some after it is back (their entries look idle for longer than
+/// claim_idle_ms by then). Every job ends `ok` exactly once, paid exactly once.
+async fn outage_pays_every_job_once(
+    redis_url: &str,
+    conn: &mut redis::aio::MultiplexedConnection,
+    prefix: &str,
+    cut: impl Fn(bool),
+) -> anyhow::Result<()> {
     const JOBS: usize = 16;
-    let redis = RedisServer::start();
-    // Some calls end while Redis is stopped (their results wait), some after it resumes
-    // (their entries look idle for longer than claim_idle_ms by then).
     let sim = SimHandle::start(SimOptions {
         latency_ms: 1500,
         jitter_ms: 3000,
@@ -350,14 +316,12 @@ async fn redis_stopped_longer_than_claim_idle_pays_every_job_once() -> anyhow::R
     })
     .await;
     let dir = tempfile::tempdir()?;
-    let mut tc = TestConfig::new(&redis, &sim);
+    let mut tc = TestConfig::with_urls(redis_url, sim.addr);
     tc.concurrency = 4;
     tc.slots = 8;
     let cfg = tc.write(dir.path(), "w.toml");
     let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")];
-    let mut conn = redis.conn().await;
-    let pid = redis_pid(&mut conn).await;
-    push(&mut conn, "llm", &jobs("stop", JOBS)).await;
+    push(conn, "llm", &jobs(prefix, JOBS)).await;
     let w1 = WorkerProc::spawn(&cfg, "w1", &env);
     let w2 = WorkerProc::spawn(&cfg, "w2", &env);
     assert!(
@@ -365,23 +329,15 @@ async fn redis_stopped_longer_than_claim_idle_pays_every_job_once() -> anyhow::R
         "{}",
         logs_tail(&[&w1, &w2], 20)
     );
-    // Stopped for 8 x claim_idle_ms: long enough for the pool's connection checks and
-    // connects (2 s each) to fail, so commits fail rather than wait.
-    signal(pid, libc_sig::STOP);
+    cut(true);
     tokio::time::sleep(Duration::from_secs(8)).await;
-    signal(pid, libc_sig::CONT);
+    cut(false);
     context(
-        wait_len(
-            &mut conn,
-            "{llm}:results",
-            JOBS as u64,
-            Duration::from_secs(60),
-        )
-        .await,
+        wait_len(conn, "{llm}:results", JOBS as u64, Duration::from_secs(60)).await,
         &[&w1, &w2],
     )?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let results = entries(&mut conn, "{llm}:results").await;
+    let results = entries(conn, "{llm}:results").await;
     assert_all_ok_once(&results, JOBS);
     let calls = sim_calls(&sim);
     let twice: Vec<_> = calls.iter().filter(|(_, n)| **n != 1).collect();
@@ -391,6 +347,15 @@ async fn redis_stopped_longer_than_claim_idle_pays_every_job_once() -> anyhow::R
         logs_tail(&[&w1, &w2], 30)
     );
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_longer_than_claim_idle_pays_every_job_once() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn().await;
+    let pid = redis_pid(&mut conn).await;
+    let stop = |cut: bool| signal(pid, if cut { libc_sig::STOP } else { libc_sig::CONT });
+    outage_pays_every_job_once(&redis.url(), &mut conn, "stop", stop).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -411,12 +376,7 @@ async fn a_reply_lost_after_the_commit_counts_as_written() -> anyhow::Result<()>
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);
     // Another worker's commit of the same entry is superseded.
     let other = result_commit(&ids[0], "lost-1", "ok", "someone-else");
-    let q2 = {
-        let mut cfg = TestConfig::new(&redis, &sim).parsed();
-        cfg.queue.consumer = "someone-else-2".into();
-        let pool = llm_worker::connect::commands(&cfg)?;
-        Queue::new(&cfg, pool)
-    };
+    let q2 = queue_as(&redis, &sim, "someone-else-2");
     let sup = format!("{:?}", q2.commit(&other).await?);
     assert!(sup.contains("Superseded"), "{sup}");
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);
@@ -714,64 +674,21 @@ impl Drop for NetnsRedis {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn network_partition_longer_than_claim_idle_pays_every_job_once() -> anyhow::Result<()> {
-    const JOBS: usize = 16;
     let Some(redis) = NetnsRedis::start() else {
         eprintln!(
             "SKIPPED network_partition_longer_than_claim_idle_pays_every_job_once: `ip netns add` is unavailable here (needs root and iproute2)"
         );
         return Ok(());
     };
-    let sim = SimHandle::start(SimOptions {
-        latency_ms: 1500,
-        jitter_ms: 3000,
-        ..SimOptions::default()
-    })
-    .await;
-    let dir = tempfile::tempdir()?;
-    let mut tc = TestConfig::with_urls(&redis.url(), sim.addr);
-    tc.concurrency = 4;
-    tc.slots = 8;
-    let cfg = tc.write(dir.path(), "w.toml");
-    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")];
     let client = redis::Client::open(redis.url())?;
     let mut conn = tokio::time::timeout(
         Duration::from_secs(5),
         client.get_multiplexed_async_connection(),
     )
     .await??;
-    push(&mut conn, "llm", &jobs("part", JOBS)).await;
-    let w1 = WorkerProc::spawn(&cfg, "w1", &env);
-    let w2 = WorkerProc::spawn(&cfg, "w2", &env);
-    assert!(
-        in_flight_at_least(&sim, 8, Duration::from_secs(15)).await,
-        "{}",
-        logs_tail(&[&w1, &w2], 20)
-    );
-    // Both workers cut off from Redis for 8 x claim_idle_ms.
-    redis.link(false);
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    redis.link(true);
-    context(
-        wait_len(
-            &mut conn,
-            "{llm}:results",
-            JOBS as u64,
-            Duration::from_secs(60),
-        )
-        .await,
-        &[&w1, &w2],
-    )?;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let results = entries(&mut conn, "{llm}:results").await;
-    assert_all_ok_once(&results, JOBS);
-    let calls = sim_calls(&sim);
-    let twice: Vec<_> = calls.iter().filter(|(_, n)| **n != 1).collect();
-    assert!(
-        twice.is_empty() && calls.len() == JOBS,
-        "every job paid exactly once: {twice:?}\n{}",
-        logs_tail(&[&w1, &w2], 30)
-    );
-    Ok(())
+    // Both workers cut off from Redis (the link of its namespace down).
+    let partition = |cut: bool| redis.link(!cut);
+    outage_pays_every_job_once(&redis.url(), &mut conn, "part", partition).await
 }
 
 // ---------------------------------------------------------------------------------------

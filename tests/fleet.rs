@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use llm_worker::sim::{Fault, SimOptions};
-use llm_worker::slots::{Lease, Slots};
+use llm_worker::slots::Lease;
 use redis::AsyncCommands;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -118,13 +118,7 @@ async fn mixed_n_uses_the_recorded_n() -> anyhow::Result<()> {
     assert_eq!(n, 4);
     let mut w2 = WorkerProc::spawn(&cfg, "w2", &[]);
     let mut w8 = WorkerProc::spawn(&cfg, "w8", &[("LLM_WORKER__POOLS__DEFAULT__SLOTS", "8")]);
-    for w in [&w1, &w2, &w8] {
-        assert!(
-            wait_log(w, "worker started", Duration::from_secs(10)).await,
-            "{}",
-            w.log()
-        );
-    }
+    assert_started(&[&w1, &w2, &w8]).await;
     push(&mut conn, "llm", &jobs("job", 150)).await;
     context(
         wait_len(&mut conn, "{llm}:results", 150, Duration::from_secs(30)).await,
@@ -342,20 +336,6 @@ async fn sigstop_past_ttl_then_sigcont_detects_lost_lease() -> anyhow::Result<()
     }
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
-}
-
-/// Two `Slots` of the library with different consumer names behave as two processes:
-/// separate tokens, driver tasks and connections.
-async fn slots_for(tc: &TestConfig, consumer: &str, cancel: &CancellationToken) -> Slots {
-    let mut cfg = tc.parsed();
-    cfg.queue.consumer = consumer.to_string();
-    let pool = llm_worker::connect::commands(&cfg).expect("pool");
-    let s = tokio::time::timeout(Duration::from_secs(5), Slots::connect(&cfg, pool))
-        .await
-        .expect("connect in time")
-        .expect("connect");
-    s.spawn_background(cancel.clone());
-    s
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {

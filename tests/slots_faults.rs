@@ -10,7 +10,6 @@ mod common;
 
 use common::*;
 use llm_worker::sim::SimOptions;
-use llm_worker::slots::Slots;
 use redis::AsyncCommands;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -19,20 +18,6 @@ use tokio_util::sync::CancellationToken;
 type Conn = redis::aio::MultiplexedConnection;
 
 const SLOT0: &str = "{llm}:slot:default:0";
-
-/// A `Slots` of the library with its own consumer name behaves as one more process:
-/// its own token, driver task and connections.
-async fn slots_for(tc: &TestConfig, consumer: &str, cancel: &CancellationToken) -> Slots {
-    let mut cfg = tc.parsed();
-    cfg.queue.consumer = consumer.to_string();
-    let pool = llm_worker::connect::commands(&cfg).expect("pool");
-    let s = tokio::time::timeout(Duration::from_secs(5), Slots::connect(&cfg, pool))
-        .await
-        .expect("connect in time")
-        .expect("connect");
-    s.spawn_background(cancel.clone());
-    s
-}
 
 /// The holder token of a slot key now; a Redis error fails the test (never "free").
 async fn holder(conn: &mut Conn, key: &str) -> Option<String> {
@@ -58,17 +43,24 @@ async fn queued(conn: &Conn, token: &str, timeout: Duration) -> bool {
     .await
 }
 
-/// The redis-server's own pid (from `INFO server`), to stop and continue it.
-async fn redis_pid(conn: &mut Conn) -> u32 {
-    let info: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(conn)
-        .await
-        .expect("INFO server");
-    info.lines()
-        .find_map(|l| l.strip_prefix("process_id:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("process_id in INFO server")
+/// Worker "wa" runs one job's call on slot 0 (the pool's only slot): returns the worker
+/// and its holder token once the call runs.
+async fn one_call_on_slot0(
+    cfg: &std::path::Path,
+    sim: &SimHandle,
+    conn: &mut Conn,
+) -> (WorkerProc, String) {
+    let a = WorkerProc::spawn(cfg, "wa", &[]);
+    push(conn, "llm", &jobs("job", 1)).await;
+    let running = wait_for(Duration::from_secs(10), || {
+        let sim = sim.sim.clone();
+        async move { sim.stats().in_flight == 1 }
+    })
+    .await;
+    assert!(running, "A's call runs\n{}", a.log());
+    let token = holder(conn, SLOT0).await.expect("A holds the slot");
+    assert!(token.starts_with("wa:"), "{token}");
+    (a, token)
 }
 
 /// Responses the sim has answered so far (all models).
@@ -146,6 +138,59 @@ async fn slot_handed_to_a_sigkilled_waiter_comes_back_well_before_ttl() -> anyho
     Ok(())
 }
 
+/// A process whose only waiter gave up (its acquire timed out) does not stay in the
+/// pool's waiter queue: the next release hands the slot to a process that still waits,
+/// not to the one that stopped waiting (which would hold it, unused, for the hand-off
+/// lease). The same stale entry was left, under load, by a waiting tick of the driver
+/// racing with an acquire's first try (the flaky `slot_handed_to_a_sigkilled_waiter...`:
+/// the releaser handed the slot to itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_gave_up_leaves_the_queue() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 10_000;
+    let mut conn = redis.conn().await;
+    let cancel = CancellationToken::new();
+    let t = Duration::from_secs(5);
+
+    let h = slots_for(&tc, "ph", &cancel).await;
+    let lease = tokio::time::timeout(t, h.acquire("default", t)).await??;
+    let a = slots_for(&tc, "pa", &cancel).await;
+    let gave_up = a.acquire("default", Duration::from_millis(300)).await;
+    assert!(
+        matches!(gave_up, Err(llm_worker::slots::SlotError::Timeout { .. })),
+        "A's acquire times out while H holds the only slot: {gave_up:?}"
+    );
+    // A's driver ends its last wait (BLPOP, at most a second): nobody here blocks now.
+    let idle = wait_for(t, || {
+        let mut c = conn.clone();
+        async move { info_u64(&mut c, "clients", "blocked_clients").await == 0 }
+    })
+    .await;
+    assert!(idle, "A's driver stops waiting once A's acquire gave up");
+    let b = slots_for(&tc, "pb", &cancel).await;
+    let bs = b.clone();
+    let b_wait = tokio::spawn(async move { bs.acquire("default", Duration::from_secs(30)).await });
+    assert!(queued(&conn, b.token(), t).await, "B queues for the slot");
+    lease.release().await?;
+    let handed = holder(&mut conn, SLOT0).await;
+    assert_eq!(
+        handed.as_deref(),
+        Some(b.token()),
+        "the release hands the slot to B, the only process still waiting (not to A, whose \
+         acquire gave up)"
+    );
+    let got = tokio::time::timeout(t, b_wait).await???;
+    got.release().await?;
+    for s in [&h, &a, &b] {
+        tokio::time::timeout(t, s.release_all()).await??;
+    }
+    cancel.cancel();
+    Ok(())
+}
+
 /// Point 12: N long calls run (latency >> ttl) and more jobs wait, in two processes;
 /// redis-server is stopped for twice `slots.ttl_ms`, then continued. The time Redis could
 /// not answer does not count against the holders: the provider never sees more than N
@@ -171,13 +216,7 @@ async fn redis_stopped_for_twice_the_ttl_keeps_the_fleet_limit() -> anyhow::Resu
     let pid = redis_pid(&mut conn).await;
     let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
     let mut b = WorkerProc::spawn(&cfg, "wb", &[]);
-    for w in [&a, &b] {
-        assert!(
-            wait_log(w, "worker started", Duration::from_secs(10)).await,
-            "{}",
-            w.log()
-        );
-    }
+    assert_started(&[&a, &b]).await;
     push(&mut conn, "llm", &jobs("job", JOBS)).await;
     let running = wait_for(Duration::from_secs(10), || {
         let mut c = conn.clone();
@@ -262,13 +301,7 @@ async fn long_call_keeps_its_slot_key_through_renewals() -> anyhow::Result<()> {
     let mut conn = redis.conn().await;
     let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
     let mut b = WorkerProc::spawn(&cfg, "wb", &[]);
-    for w in [&a, &b] {
-        assert!(
-            wait_log(w, "worker started", Duration::from_secs(10)).await,
-            "{}",
-            w.log()
-        );
-    }
+    assert_started(&[&a, &b]).await;
     push(&mut conn, "llm", &jobs("job", 2)).await;
     // The first call starts; the other process's job waits for the slot.
     let started = wait_for(Duration::from_secs(10), || {
@@ -356,16 +389,7 @@ async fn paused_holder_retakes_its_own_free_slot() -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
     // Another live process of the fleet: holds nothing, waits for nothing.
     let other = slots_for(&tc, "pt", &cancel).await;
-    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
-    push(&mut conn, "llm", &jobs("job", 1)).await;
-    let running = wait_for(Duration::from_secs(10), || {
-        let sim = sim.sim.clone();
-        async move { sim.stats().in_flight == 1 }
-    })
-    .await;
-    assert!(running, "A's call runs\n{}", a.log());
-    let token = holder(&mut conn, SLOT0).await.expect("A holds the slot");
-    assert!(token.starts_with("wa:"), "{token}");
+    let (mut a, token) = one_call_on_slot0(&cfg, &sim, &mut conn).await;
 
     a.signal(libc_sig::STOP);
     let lapsed = wait_for(Duration::from_secs(5), || {
@@ -417,33 +441,13 @@ async fn slot_renewal_and_release_work_while_redis_is_out_of_memory() -> anyhow:
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
-    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
-    push(&mut conn, "llm", &jobs("job", 1)).await;
-    let running = wait_for(Duration::from_secs(10), || {
-        let sim = sim.sim.clone();
-        async move { sim.stats().in_flight == 1 }
-    })
-    .await;
-    assert!(running, "A's call runs\n{}", a.log());
-    let token = holder(&mut conn, SLOT0).await.expect("A holds the slot");
-    assert!(token.starts_with("wa:"), "{token}");
+    let (mut a, token) = one_call_on_slot0(&cfg, &sim, &mut conn).await;
 
     // Cap memory far below what is used (1 byte): every growing write is refused for as long as
     // the cap stays (a cap just below a measured figure does not hold: the big write
     // used to fill memory left a ~10 MB query buffer that Redis frees within a second,
     // and memory is then under the cap again).
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg("noeviction")
-        .query_async(&mut conn)
-        .await?;
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(1)
-        .query_async(&mut conn)
-        .await?;
+    set_maxmemory(&mut conn, 1).await;
     let refused: redis::RedisResult<()> = conn.set("{llm}:probe", "1").await;
     assert!(refused.is_err(), "Redis refuses writes now: {refused:?}");
 
@@ -464,12 +468,7 @@ async fn slot_renewal_and_release_work_while_redis_is_out_of_memory() -> anyhow:
             ours.push(k);
         }
     }
-    let _: () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory")
-        .arg(0)
-        .query_async(&mut conn)
-        .await?;
+    set_maxmemory(&mut conn, 0).await;
     assert!(
         kept,
         "the slot key keeps the holder's token under OOM past the ttl: {now:?}\n{}",

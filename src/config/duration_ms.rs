@@ -1,5 +1,6 @@
-//! Serde helper for the `_ms` keys: a whole number of milliseconds in TOML and in
-//! `LLM_WORKER__..._MS` overrides, a [`Duration`] in [`super::Config`].
+//! Serde helpers for the duration keys: a whole number of milliseconds (`_ms` keys, this
+//! module) or seconds (`_s` keys, [`seconds`]) in TOML and in `LLM_WORKER__...`
+//! overrides, a [`Duration`] in [`super::Config`].
 //!
 //! Why: call sites take a `Duration` directly instead of each converting (and each
 //! possibly getting the unit wrong). Serialising writes the same integer back, so
@@ -18,26 +19,51 @@ pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
 }
 
 pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-    d.deserialize_any(MsVisitor)
+    d.deserialize_any(Whole {
+        unit: "milliseconds",
+        make: Duration::from_millis,
+    })
 }
 
-struct MsVisitor;
+/// The same for the `_s` keys (`queue.dedupe_ttl_s`): whole seconds.
+pub mod seconds {
+    use super::*;
 
-impl Visitor<'_> for MsVisitor {
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        // Config durations come from `from_secs(u64)`, so this is exact for them.
+        s.serialize_u64(d.as_secs())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        d.deserialize_any(Whole {
+            unit: "seconds",
+            make: Duration::from_secs,
+        })
+    }
+}
+
+/// A whole number of `unit`s, made into a `Duration` by `make`.
+struct Whole {
+    unit: &'static str,
+    make: fn(u64) -> Duration,
+}
+
+impl Visitor<'_> for Whole {
     type Value = Duration;
 
     fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a whole number of milliseconds (0 or more)")
+        write!(f, "a whole number of {} (0 or more)", self.unit)
     }
 
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
-        Ok(Duration::from_millis(v))
+        Ok((self.make)(v))
     }
 
     fn visit_i64<E: de::Error>(self, v: i64) -> Result<Duration, E> {
-        u64::try_from(v).map(Duration::from_millis).map_err(|_| {
+        u64::try_from(v).map(self.make).map_err(|_| {
             E::custom(format!(
-                "must be a whole number of milliseconds (0 or more), got {v}"
+                "must be a whole number of {} (0 or more), got {v}",
+                self.unit
             ))
         })
     }
@@ -46,7 +72,8 @@ impl Visitor<'_> for MsVisitor {
         match v.trim().parse::<i64>() {
             Ok(n) => self.visit_i64(n),
             Err(_) => Err(E::custom(format!(
-                "must be a whole number of milliseconds (0 or more), got {v:?}"
+                "must be a whole number of {} (0 or more), got {v:?}",
+                self.unit
             ))),
         }
     }

@@ -21,8 +21,8 @@ mod validate;
 
 pub use load::resolve_path;
 pub use schema::{
-    LogConfig, ModelConfig, PoolConfig, ProviderConfig, QueueConfig, RedisConfig, RetryConfig,
-    ServerConfig, SlotsConfig, WorkerConfig,
+    CLAIM_IDLE_FLOOR, LogConfig, ModelConfig, PoolConfig, ProviderConfig, QueueConfig, RedisConfig,
+    RetryConfig, ServerConfig, SlotsConfig, WorkerConfig,
 };
 pub use secret::{Secret, SplitRedisUrl, redact_url, split_redis_url};
 

@@ -34,6 +34,15 @@ pub struct RedisConfig {
     pub password: Option<Secret>,
 }
 
+/// The smallest accepted `queue.claim_idle_ms`. Two things run on fractions of it: the
+/// keepalive every `claim_idle_ms / 3` (`worker::keepalive`), and the stall gate, set
+/// when the fleet heartbeat is older than `claim_idle_ms / 2` (`lua/keepalive.lua`). The
+/// keepalive plus its round trip must come round before the gate's gap, so the margin is
+/// `claim_idle_ms / 6` for the round trip: 33 ms at this floor, none at all below
+/// 100 ms (where the reclaimer's own 100 ms floor also stops following it). Tests run
+/// at the floor; production wants minutes.
+pub const CLAIM_IDLE_FLOOR: Duration = Duration::from_millis(200);
+
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct QueueConfig {
@@ -44,13 +53,15 @@ pub struct QueueConfig {
     /// Empty = `<hostname>-<pid>` (resolved by validation).
     pub consumer: String,
     /// A pending entry idle this long (its worker stopped refreshing it) is taken over
-    /// by another worker.
+    /// by another worker. At least [`CLAIM_IDLE_FLOOR`] (checked by validation).
     #[serde(with = "super::duration_ms")]
     pub claim_idle_ms: Duration,
     /// Deliveries after which a job is dead-lettered instead of run again (>= 1).
     pub max_deliveries: NonZeroU64,
-    /// How long a result marker keeps a job id from running again, in seconds.
-    pub dedupe_ttl_s: u64,
+    /// How long a result marker keeps a job id from running again; whole seconds in
+    /// TOML (the contract's unit), at least 1.
+    #[serde(with = "super::duration_ms::seconds")]
+    pub dedupe_ttl_s: Duration,
     /// Approximate MAXLEN of `{ns}:results`.
     pub results_maxlen: u64,
     /// Largest accepted `payload` field, in bytes.
@@ -200,7 +211,7 @@ impl Default for QueueConfig {
             consumer: String::new(),
             claim_idle_ms: Duration::from_millis(120_000),
             max_deliveries: NonZeroU64::new(5).expect("5 > 0"),
-            dedupe_ttl_s: 86_400,
+            dedupe_ttl_s: Duration::from_secs(86_400),
             results_maxlen: 1_000_000,
             max_payload_bytes: 1 << 20,
             block_ms: Duration::from_millis(1000),

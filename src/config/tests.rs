@@ -677,3 +677,47 @@ fn command_timeout_defaults_to_a_third_of_the_lease_and_is_bounded_by_it() {
     assert_eq!(key, "redis.command_timeout_ms", "{message}");
     assert!(message.contains("a third of slots.ttl_ms"), "{message}");
 }
+
+#[test]
+fn config_claim_idle_ms_has_a_floor() {
+    // The keepalive (every claim_idle_ms / 3) must come round, with its round trip,
+    // before the stall gate's gap (claim_idle_ms / 2): below the floor it cannot.
+    for bad in ["1", "100", "199"] {
+        let (key, message) = err_key(demo_with(
+            "claim_idle_ms = 120000",
+            &format!("claim_idle_ms = {bad}"),
+        ));
+        assert_eq!(key, "queue.claim_idle_ms", "{bad}: {message}");
+        assert!(message.contains("at least 200"), "{bad}: {message}");
+        assert!(message.contains(&format!("got {bad}")), "{bad}: {message}");
+    }
+    let c = demo_with("claim_idle_ms = 120000", "claim_idle_ms = 200").expect("the floor");
+    assert_eq!(c.queue.claim_idle_ms, std::time::Duration::from_millis(200));
+    let var = "LLM_WORKER__QUEUE__CLAIM_IDLE_MS";
+    let (key, message) = err_key(Config::from_toml_str(DEMO, &env(&[(var, "50")])));
+    assert_eq!(key, "queue.claim_idle_ms", "{message}");
+    assert!(message.contains("at least 200"), "{message}");
+}
+
+#[test]
+fn config_dedupe_ttl_s_is_a_duration_in_seconds() {
+    use std::time::Duration;
+    let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo");
+    assert_eq!(c.queue.dedupe_ttl_s, Duration::from_secs(86_400));
+    // check-config shows the contract's key with whole seconds, and reads back.
+    let text = c.redacted_toml();
+    assert!(text.contains("dedupe_ttl_s = 86400\n"), "{text}");
+    let back = Config::from_toml_str(&text, &env(&[])).expect("round trip");
+    assert_eq!(back.queue.dedupe_ttl_s, c.queue.dedupe_ttl_s);
+    let var = "LLM_WORKER__QUEUE__DEDUPE_TTL_S";
+    let c = Config::from_toml_str(DEMO, &env(&[(var, "60")])).expect("override");
+    assert_eq!(c.queue.dedupe_ttl_s, Duration::from_secs(60));
+    for bad in ["0", "-5", "\"x\""] {
+        let (key, message) = err_key(demo_with(
+            "dedupe_ttl_s = 86400",
+            &format!("dedupe_ttl_s = {bad}"),
+        ));
+        assert_eq!(key, "queue.dedupe_ttl_s", "{bad}: {message}");
+        assert!(message.contains("second"), "{bad}: {message}");
+    }
+}

@@ -3,7 +3,7 @@
 
 use super::prices::check_price;
 use super::secret::split_redis_url;
-use super::{Config, ConfigError, Secret};
+use super::{CLAIM_IDLE_FLOOR, Config, ConfigError, Secret};
 
 /// `<hostname>-<pid>`: `$HOSTNAME`, else `/etc/hostname`, else `worker`.
 fn default_consumer(env: &std::collections::HashMap<String, String>) -> String {
@@ -124,14 +124,19 @@ impl Config {
             "must be greater than 0",
         )?;
         require(
-            !q.claim_idle_ms.is_zero(),
+            q.claim_idle_ms >= CLAIM_IDLE_FLOOR,
             "queue.claim_idle_ms",
-            "must be greater than 0",
+            format!(
+                "must be at least {} (the keepalive runs every third of it and must beat \
+                 the stall gate at half of it), got {}",
+                CLAIM_IDLE_FLOOR.as_millis(),
+                q.claim_idle_ms.as_millis()
+            ),
         )?;
         require(
-            q.dedupe_ttl_s > 0,
+            !q.dedupe_ttl_s.is_zero(),
             "queue.dedupe_ttl_s",
-            "must be greater than 0",
+            "must be at least 1 second, got 0",
         )?;
         require(
             q.results_maxlen > 0,

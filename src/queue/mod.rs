@@ -31,14 +31,17 @@ pub enum QueueError {
     /// Connection, timeout or server error; [`QueueError::heals`] says whether retrying
     /// the same command can succeed.
     #[error("redis: {0}")]
-    Redis(#[from] redis::RedisError),
+    Redis(redis::RedisError),
     #[error("redis pool: {0} (retry when Redis answers again)")]
-    Pool(#[from] deadpool_redis::PoolError),
+    Pool(deadpool_redis::PoolError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
     #[error("redis did not answer within {0:?} (retry when Redis answers again)")]
     Timeout(Duration),
 }
+
+from_cause!(QueueError, QueueError::Redis, redis::RedisError);
+from_cause!(QueueError, QueueError::Pool, deadpool_redis::PoolError);
 
 /// Server error codes that go away by themselves: memory freed under `noeviction`, a
 /// dataset loading, a failover or resharding in progress, a busy script.
@@ -249,6 +252,7 @@ pub struct Queue {
     group: String,
     consumer: String,
     results_maxlen: u64,
+    /// `queue.dedupe_ttl_s` in whole seconds (the scripts' EX unit).
     dedupe_ttl_s: u64,
     delete_acked: bool,
     commit_script: redis::Script,
@@ -308,7 +312,7 @@ impl Queue {
             group: cfg.queue.group.clone(),
             consumer: cfg.queue.consumer.clone(),
             results_maxlen: cfg.queue.results_maxlen,
-            dedupe_ttl_s: cfg.queue.dedupe_ttl_s,
+            dedupe_ttl_s: cfg.queue.dedupe_ttl_s.as_secs(),
             delete_acked: cfg.queue.delete_acked,
             commit_script: scripts::COMMIT.clone(),
             claim_id_script: scripts::CLAIM_ID.clone(),
@@ -320,10 +324,6 @@ impl Queue {
 
     pub fn consumer(&self) -> &str {
         &self.consumer
-    }
-
-    pub fn pool(&self) -> &deadpool_redis::Pool {
-        self.conn.pool()
     }
 
     /// Creates the consumer group at id 0 with MKSTREAM (jobs pushed before the first

@@ -43,7 +43,7 @@ impl Worker {
         commit: &Commit,
         abort: &CancellationToken,
     ) {
-        let mut backoff = Backoff::new();
+        let mut backoff = Backoff::redis();
         let mut held: Option<HeldBytes> = None;
         let mut fallback: Option<Commit> = None;
         let mut last_unwritable_log: Option<Instant> = None;

@@ -5,7 +5,6 @@
 
 use crate::sync::lock;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::*;
@@ -15,7 +14,8 @@ impl Worker {
     /// is working on, so a call that legitimately runs long is not taken over (and paid
     /// for a second time) by another worker.
     pub(super) async fn keep_alive(self: Arc<Self>, stop: CancellationToken) {
-        let period = (self.cfg.queue.claim_idle_ms / 3).max(Duration::from_millis(50));
+        // At least 66 ms: validation keeps claim_idle_ms >= config::CLAIM_IDLE_FLOOR.
+        let period = self.cfg.queue.claim_idle_ms / 3;
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {

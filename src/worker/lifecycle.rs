@@ -181,7 +181,7 @@ impl Worker {
         // Idempotency by id: one model call per id, however many copies are pushed. A job
         // without a producer id is its entry alone (pending-ness gives one result per
         // entry, `active` one task per entry in this process): no marker, no round trip.
-        let mut backoff = Backoff::new();
+        let mut backoff = Backoff::redis();
         let mut busy_since = None;
         // (Every arm below leaves the loop but the waiting ones.)
         #[allow(clippy::while_immutable_condition)]
@@ -222,7 +222,7 @@ impl Worker {
                 }
                 Err(e) => {
                     // One line per job, not per retry: the reader logs the outage itself.
-                    if backoff.next == Duration::from_millis(100) {
+                    if backoff.failures() == 0 {
                         tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying until Redis answers");
                     }
                     backoff.sleep(&self.draining).await;
@@ -366,7 +366,7 @@ impl Worker {
     /// when the slots are stopped (shutdown): the job is then left pending.
     pub(super) async fn take_slot(&self, plan: &mut Plan) -> Option<Lease> {
         let timeout = self.cfg.slots.acquire_timeout_ms;
-        let mut backoff = Backoff::new();
+        let mut backoff = Backoff::redis();
         loop {
             let pool = plan.current().pool.clone();
             let acquired = self
@@ -390,7 +390,7 @@ impl Worker {
                 Err(SlotError::Stopped) => return None,
                 Err(e) => {
                     // One line per job, not per retry: the reader logs the outage itself.
-                    if backoff.next == Duration::from_millis(100) {
+                    if backoff.failures() == 0 {
                         tracing::warn!(error = %e, pool = %pool, "cannot take a slot; retrying until Redis answers");
                     }
                     backoff.sleep(&self.draining).await;

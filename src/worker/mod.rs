@@ -2,7 +2,7 @@
 //! `worker.concurrency` job tasks. Rooms: [`reader`] (read, reclaim, spawn), [`lifecycle`]
 //! (one job from parse to decision), [`bill`] (usage and exact cost), [`commit`] (the
 //! job's end written with its acknowledgement), [`keepalive`] (running entries kept
-//! ours); this file holds the `Worker` and the Redis `Backoff`.
+//! ours); this file holds the `Worker`.
 //!
 //! Invariants:
 //! - never more jobs read than there are free job permits (back-pressure: a job is read
@@ -26,6 +26,7 @@ use bill::*;
 use keepalive::*;
 use lifecycle::*;
 
+use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::cost::Price;
 use crate::provider::{self, ProviderClient};
@@ -34,7 +35,6 @@ use crate::router::RetryPolicy;
 use crate::slots::Slots;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
@@ -117,49 +117,5 @@ impl Worker {
             reader_stopped: CancellationToken::new(),
             releases: tokio_util::task::TaskTracker::new(),
         })
-    }
-}
-
-/// Jittered exponential backoff for Redis reconnects: 100 ms doubling to 5 s.
-pub struct Backoff {
-    pub next: Duration,
-}
-
-impl Backoff {
-    pub fn new() -> Backoff {
-        Backoff {
-            next: Duration::from_millis(100),
-        }
-    }
-    pub fn reset(&mut self) {
-        self.next = Duration::from_millis(100);
-    }
-    /// Sleeps (cut short by `cancel`) and doubles the next delay.
-    pub async fn sleep(&mut self, cancel: &CancellationToken) {
-        self.sleep_jittered(rand::random::<f64>(), cancel).await;
-    }
-
-    /// [`Backoff::sleep`] with the jitter given (in [0, 1)): sleeps `next * (1 + jitter) / 2`
-    /// on tokio's clock, so a test with `tokio::time::pause()` sees exact durations.
-    pub async fn sleep_jittered(&mut self, jitter: f64, cancel: &CancellationToken) {
-        let d = self.next_delay(jitter);
-        tokio::select! {
-            _ = tokio::time::sleep(d) => {}
-            _ = cancel.cancelled() => {}
-        }
-    }
-
-    /// The delay of this step (`next` x a factor in [0.5, 1) from `jitter`), and doubles
-    /// `next` up to 5 s.
-    pub fn next_delay(&mut self, jitter: f64) -> Duration {
-        let d = self.next.mul_f64(0.5 + jitter.clamp(0.0, 1.0) / 2.0);
-        self.next = (self.next * 2).min(Duration::from_secs(5));
-        d
-    }
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff::new()
     }
 }

@@ -38,7 +38,7 @@ impl Worker {
         let mut next_prune = tokio::time::Instant::now();
         let block = self.cfg.queue.block_ms;
         let mut conn = None;
-        let mut backoff = Backoff::new();
+        let mut backoff = Backoff::redis();
         let claim_idle = self.cfg.queue.claim_idle_ms;
         let reclaim_every =
             (claim_idle / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));

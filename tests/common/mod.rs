@@ -877,3 +877,87 @@ pub async fn wait_readers(
     })
     .await
 }
+
+// ---------------------------------------------------------------------------------------
+// Redis introspection and faults, and fleet members, shared by the fault tests.
+
+/// A numeric field of `INFO <section>`; panics when Redis does not answer or lacks it
+/// (so a dead server never reads as "0").
+pub async fn info_u64(
+    conn: &mut redis::aio::MultiplexedConnection,
+    section: &str,
+    field: &str,
+) -> u64 {
+    let info: String = tokio::time::timeout(
+        Duration::from_secs(5),
+        redis::cmd("INFO").arg(section).query_async(conn),
+    )
+    .await
+    .expect("INFO in time")
+    .expect("INFO");
+    let prefix = format!("{field}:");
+    info.lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} in INFO {section}"))
+}
+
+/// The redis-server's own pid, to stop (SIGSTOP) and continue it.
+pub async fn redis_pid(conn: &mut redis::aio::MultiplexedConnection) -> u32 {
+    let pid = info_u64(conn, "server", "process_id").await;
+    u32::try_from(pid).expect("pid fits u32")
+}
+
+/// Bytes Redis uses now (`used_memory`).
+pub async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    info_u64(conn, "memory", "used_memory").await
+}
+
+/// `maxmemory` = `bytes` under `noeviction`: past it every memory-growing write is
+/// refused with OOM. 0 lifts the limit.
+pub async fn set_maxmemory(conn: &mut redis::aio::MultiplexedConnection, bytes: u64) {
+    for (k, v) in [
+        ("maxmemory-policy", "noeviction".to_string()),
+        ("maxmemory", bytes.to_string()),
+    ] {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(k)
+            .arg(v)
+            .query_async(conn)
+            .await
+            .unwrap_or_else(|e| panic!("CONFIG SET {k}: {e}"));
+    }
+}
+
+/// A `Slots` of the library under its own consumer name behaves as one more process of
+/// the fleet: its own token, driver task and connections (stopped by `cancel`).
+pub async fn slots_for(
+    tc: &TestConfig,
+    consumer: &str,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> llm_worker::slots::Slots {
+    let mut cfg = tc.parsed();
+    cfg.queue.consumer = consumer.to_string();
+    let pool = llm_worker::connect::commands(&cfg).expect("pool");
+    let s = tokio::time::timeout(
+        Duration::from_secs(5),
+        llm_worker::slots::Slots::connect(&cfg, pool),
+    )
+    .await
+    .expect("connect in time")
+    .expect("connect");
+    s.spawn_background(cancel.clone());
+    s
+}
+
+/// Every worker logs "worker started" within 10 s (its log is shown if not).
+pub async fn assert_started(workers: &[&WorkerProc]) {
+    for w in workers {
+        assert!(
+            wait_log(w, "worker started", Duration::from_secs(10)).await,
+            "{}",
+            w.log()
+        );
+    }
+}
