@@ -26,9 +26,9 @@ async fn bench(port: u16, clients: u32, n: u64, cmd: &[&str]) -> anyhow::Result<
         .await
         .context("run redis-benchmark")?;
     let text = String::from_utf8_lossy(&out.stdout);
-    // --csv: a header line, then "test","rps",...
+    // --csv: a header line, then "test","rps",... (the test name may hold commas).
     for line in text.lines() {
-        let f: Vec<&str> = line.split(',').map(|s| s.trim_matches('"')).collect();
+        let f: Vec<&str> = line.trim().trim_matches('"').split("\",\"").collect();
         if f.len() >= 2 {
             if let Ok(rps) = f[1].parse::<f64>() {
                 return Ok(rps);
@@ -43,7 +43,8 @@ pub async fn measure(dir: &Path, n: u64, script_sizes: &[u64]) -> anyhow::Result
     let r = RedisServer::start(dir).await?;
     let mut c = Ceiling::default();
     let res: anyhow::Result<()> = async {
-        c.rps.insert("PING".into(), bench(r.port, 64, n, &["PING"]).await?);
+        c.rps
+            .insert("PING".into(), bench(r.port, 64, n, &["PING"]).await?);
         c.rps.insert(
             "SET".into(),
             bench(r.port, 64, n, &["SET", "k:__rand_int__", "v"]).await?,
@@ -52,7 +53,13 @@ pub async fn measure(dir: &Path, n: u64, script_sizes: &[u64]) -> anyhow::Result
             let ks = k.to_string();
             c.rps.insert(
                 format!("EVAL({k} inner)"),
-                bench(r.port, 64, n, &["EVAL", SCRIPT, "1", "k:__rand_int__", &ks, "v"]).await?,
+                bench(
+                    r.port,
+                    64,
+                    n,
+                    &["EVAL", SCRIPT, "1", "k:__rand_int__", &ks, "v"],
+                )
+                .await?,
             );
         }
         Ok(())

@@ -13,6 +13,7 @@ use clap::Parser;
 use report::{Report, Row};
 use run::{Env, Outcome, Spec, Subject};
 use std::path::PathBuf;
+use std::time::Duration;
 
 #[derive(Parser, Debug)]
 #[command(about = "Benchmark llm-worker against a bullmq-official peer")]
@@ -77,11 +78,12 @@ fn spec(label: &str, subject: Subject, jobs: u64, latency_ms: u64, n: u32) -> Sp
         peer_concurrency: 64,
         processes: 1,
         monitor: false,
+        exit_grace: Duration::from_secs(30),
     }
 }
 
 /// Run a spec, print a one-line progress note on stderr.
-async fn go(env: &Env, s: Spec, all: &mut Vec<Outcome>) -> anyhow::Result<Outcome> {
+async fn go(env: &Env, quick: bool, s: Spec, all: &mut Vec<Outcome>) -> anyhow::Result<Outcome> {
     eprintln!(
         "[bench] {} {}: {} jobs, {} ms model, N={}, {} process(es)",
         s.label,
@@ -91,6 +93,10 @@ async fn go(env: &Env, s: Spec, all: &mut Vec<Outcome>) -> anyhow::Result<Outcom
         s.slots,
         s.processes
     );
+    let mut s = s;
+    if quick {
+        s.exit_grace = Duration::from_millis(1500);
+    }
     let o = run::run(env, &s).await?;
     match &o.error {
         Some(e) => eprintln!("[bench]   error: {e}"),
@@ -135,7 +141,11 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     for (what, p) in [("daemon", &args.daemon), ("peer", &args.peer)] {
-        anyhow::ensure!(p.exists(), "{what} binary {} not found: build it first", p.display());
+        anyhow::ensure!(
+            p.exists(),
+            "{what} binary {} not found: build it first",
+            p.display()
+        );
     }
     let dir = std::env::temp_dir().join(format!("llm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -152,20 +162,35 @@ async fn main() -> anyhow::Result<()> {
     // (a) 0 ms model, 1 worker, concurrency 64, N=64.
     let mut a_rss: Option<(Option<f64>, Option<f64>)> = None;
     if want("a") {
-        let l = go(&env, spec("a", Llm, sz.a, 0, 64), &mut all).await?;
-        let p = go(&env, spec("a", Peer, sz.a, 0, 64), &mut all).await?;
+        let l = go(&env, args.quick, spec("a", Llm, sz.a, 0, 64), &mut all).await?;
+        let p = go(&env, args.quick, spec("a", Peer, sz.a, 0, 64), &mut all).await?;
         let t = format!("0 ms, C=64, N=64, {} jobs", sz.a);
-        rep.push(Row::new("a", &format!("jobs/s, {t}"), ">= 1.25x peer")
-            .vals(val(&l, |o| o.jobs_per_s), val(&p, |o| o.jobs_per_s)));
-        rep.push(Row::new("a", "commands/job (INFO, incl. inside scripts)", "-")
-            .vals(val(&l, |o| o.commands_per_job), val(&p, |o| o.commands_per_job)));
-        rep.push(Row::new("a", "socket reads/job (INFO total_reads_processed)", "-")
-            .vals(val(&l, |o| o.reads_per_job), val(&p, |o| o.reads_per_job)));
-        rep.push(Row::new("a", "Redis CPU ms/job", "<= peer")
-            .vals(val(&l, |o| o.redis_cpu_ms_per_job), val(&p, |o| o.redis_cpu_ms_per_job)));
-        rep.push(Row::new("a", "worker CPU ms/job", "<= peer")
-            .vals(val(&l, |o| o.worker_cpu_ms_per_job), val(&p, |o| o.worker_cpu_ms_per_job)));
-        a_rss = Some((val(&l, |o| mb(o.peak_rss_kb)), val(&p, |o| mb(o.peak_rss_kb))));
+        rep.push(
+            Row::new("a", &format!("jobs/s, {t}"), ">= 1.25x peer")
+                .vals(val(&l, |o| o.jobs_per_s), val(&p, |o| o.jobs_per_s)),
+        );
+        rep.push(
+            Row::new("a", "commands/job (INFO, incl. inside scripts)", "-").vals(
+                val(&l, |o| o.commands_per_job),
+                val(&p, |o| o.commands_per_job),
+            ),
+        );
+        rep.push(
+            Row::new("a", "socket reads/job (INFO total_reads_processed)", "-")
+                .vals(val(&l, |o| o.reads_per_job), val(&p, |o| o.reads_per_job)),
+        );
+        rep.push(Row::new("a", "Redis CPU ms/job", "<= peer").vals(
+            val(&l, |o| o.redis_cpu_ms_per_job),
+            val(&p, |o| o.redis_cpu_ms_per_job),
+        ));
+        rep.push(Row::new("a", "worker CPU ms/job", "<= peer").vals(
+            val(&l, |o| o.worker_cpu_ms_per_job),
+            val(&p, |o| o.worker_cpu_ms_per_job),
+        ));
+        a_rss = Some((
+            val(&l, |o| mb(o.peak_rss_kb)),
+            val(&p, |o| mb(o.peak_rss_kb)),
+        ));
     }
 
     // Round trips: a MONITOR pass (MONITOR slows Redis, so its timings are not used).
@@ -175,10 +200,14 @@ async fn main() -> anyhow::Result<()> {
         ls.monitor = true;
         let mut ps = spec("rt", Peer, sz.rt, 0, 64);
         ps.monitor = true;
-        let l = go(&env, ls, &mut all).await?;
-        let p = go(&env, ps, &mut all).await?;
-        rep.push(Row::new("a", "round trips/job (client commands, MONITOR)", "<= 3")
-            .vals(l.round_trips_per_job.filter(|_| ok(&l)), p.round_trips_per_job.filter(|_| ok(&p))));
+        let l = go(&env, args.quick, ls, &mut all).await?;
+        let p = go(&env, args.quick, ps, &mut all).await?;
+        rep.push(
+            Row::new("a", "round trips/job (client commands, MONITOR)", "<= 3").vals(
+                l.round_trips_per_job.filter(|_| ok(&l)),
+                p.round_trips_per_job.filter(|_| ok(&p)),
+            ),
+        );
         rt = Some((l, p));
     }
 
@@ -186,13 +215,28 @@ async fn main() -> anyhow::Result<()> {
     if want("ceiling") || (args.only.is_none() && rt.is_some()) {
         let mix = |o: &Outcome| -> Option<(f64, u64, f64)> {
             let client = o.monitor_client_per_job.as_ref()?;
-            let script_calls: f64 = client.iter().filter(|(k, _)| is_script(k)).map(|(_, v)| v).sum();
-            let plain: f64 = client.iter().filter(|(k, _)| !is_script(k)).map(|(_, v)| v).sum();
+            let script_calls: f64 = client
+                .iter()
+                .filter(|(k, _)| is_script(k))
+                .map(|(_, v)| v)
+                .sum();
+            let plain: f64 = client
+                .iter()
+                .filter(|(k, _)| !is_script(k))
+                .map(|(_, v)| v)
+                .sum();
             let inner: f64 = o.monitor_script_per_job.as_ref()?.values().sum();
-            let k = if script_calls > 0.0 { (inner / script_calls).round().max(1.0) as u64 } else { 1 };
+            let k = if script_calls > 0.0 {
+                (inner / script_calls).round().max(1.0) as u64
+            } else {
+                1
+            };
             Some((script_calls, k, plain))
         };
-        let (lm, pm) = rt.as_ref().map(|(l, p)| (mix(l), mix(p))).unwrap_or((None, None));
+        let (lm, pm) = rt
+            .as_ref()
+            .map(|(l, p)| (mix(l), mix(p)))
+            .unwrap_or((None, None));
         let mut sizes: Vec<u64> = [lm, pm].iter().flatten().map(|m| m.1).collect();
         sizes.sort();
         sizes.dedup();
@@ -203,11 +247,25 @@ async fn main() -> anyhow::Result<()> {
         match ceiling::measure(&dir, sz.bench_n, &sizes).await {
             Ok(c) => {
                 for (k, v) in &c.rps {
-                    rep.push(Row::new("ceiling", &format!("redis-benchmark {k} req/s, 64 clients"), "-").vals(Some(*v), None));
+                    rep.push(
+                        Row::new(
+                            "ceiling",
+                            &format!("redis-benchmark {k} req/s, 64 clients"),
+                            "-",
+                        )
+                        .vals(Some(*v), None),
+                    );
                 }
                 let cl = lm.and_then(|(s, k, p)| ceiling::jobs_ceiling(&c, s, k, p));
                 let cp = pm.and_then(|(s, k, p)| ceiling::jobs_ceiling(&c, s, k, p));
-                rep.push(Row::new("ceiling", "Redis ceiling jobs/s for the measured client mix", "-").vals(cl, cp));
+                rep.push(
+                    Row::new(
+                        "ceiling",
+                        "Redis ceiling jobs/s for the measured client mix",
+                        "-",
+                    )
+                    .vals(cl, cp),
+                );
                 rep.json.insert("ceiling".into(), serde_json::to_value(&c)?);
             }
             Err(e) => eprintln!("[bench]   ceiling error: {e:#}"),
@@ -216,22 +274,51 @@ async fn main() -> anyhow::Result<()> {
 
     // (b) the same at a 100,000-job backlog; (f) Redis memory and keys after it.
     if want("b") || want("f") {
-        let l = go(&env, spec("b", Llm, sz.b, 0, 64), &mut all).await?;
-        let p = go(&env, spec("b", Peer, sz.b, 0, 64), &mut all).await?;
-        rep.push(Row::new("b", &format!("jobs/s, 0 ms, C=64, N=64, {} backlog", sz.b), ">= 1.25x peer")
-            .vals(val(&l, |o| o.jobs_per_s), val(&p, |o| o.jobs_per_s)));
-        rep.push(Row::new("b", "Redis CPU ms/job", "<= peer, flat vs a")
-            .vals(val(&l, |o| o.redis_cpu_ms_per_job), val(&p, |o| o.redis_cpu_ms_per_job)));
-        rep.push(Row::new("b", "worker CPU ms/job", "<= peer")
-            .vals(val(&l, |o| o.worker_cpu_ms_per_job), val(&p, |o| o.worker_cpu_ms_per_job)));
-        rep.push(Row::new("f", &format!("Redis used_memory MB after {} jobs", sz.b), "bounded by MAXLEN + TTLs")
-            .vals(val(&l, |o| o.redis_used_memory_after as f64 / 1048576.0), val(&p, |o| o.redis_used_memory_after as f64 / 1048576.0)));
-        rep.push(Row::new("f", "Redis keys after the run", "no key per finished job")
-            .vals(val(&l, |o| o.redis_keys_after as f64), val(&p, |o| o.redis_keys_after as f64)));
+        let l = go(&env, args.quick, spec("b", Llm, sz.b, 0, 64), &mut all).await?;
+        let p = go(&env, args.quick, spec("b", Peer, sz.b, 0, 64), &mut all).await?;
+        rep.push(
+            Row::new(
+                "b",
+                &format!("jobs/s, 0 ms, C=64, N=64, {} backlog", sz.b),
+                ">= 1.25x peer",
+            )
+            .vals(val(&l, |o| o.jobs_per_s), val(&p, |o| o.jobs_per_s)),
+        );
+        rep.push(
+            Row::new("b", "Redis CPU ms/job", "<= peer, flat vs a").vals(
+                val(&l, |o| o.redis_cpu_ms_per_job),
+                val(&p, |o| o.redis_cpu_ms_per_job),
+            ),
+        );
+        rep.push(Row::new("b", "worker CPU ms/job", "<= peer").vals(
+            val(&l, |o| o.worker_cpu_ms_per_job),
+            val(&p, |o| o.worker_cpu_ms_per_job),
+        ));
+        rep.push(
+            Row::new(
+                "f",
+                &format!("Redis used_memory MB after {} jobs", sz.b),
+                "bounded by MAXLEN + TTLs",
+            )
+            .vals(
+                val(&l, |o| o.redis_used_memory_after as f64 / 1048576.0),
+                val(&p, |o| o.redis_used_memory_after as f64 / 1048576.0),
+            ),
+        );
+        rep.push(
+            Row::new("f", "Redis keys after the run", "no key per finished job").vals(
+                val(&l, |o| o.redis_keys_after as f64),
+                val(&p, |o| o.redis_keys_after as f64),
+            ),
+        );
         let top = |o: &Outcome| -> String {
             let mut v: Vec<(&String, &u64)> = o.key_classes_after.iter().collect();
             v.sort_by(|a, b| b.1.cmp(a.1));
-            v.iter().take(4).map(|(k, n)| format!("{k} {n}")).collect::<Vec<_>>().join("; ")
+            v.iter()
+                .take(4)
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect::<Vec<_>>()
+                .join("; ")
         };
         rep.note(format!("f: llm-worker keys by shape: {}", top(&l)));
         rep.note(format!("f: bullmq-official keys by shape: {}", top(&p)));
@@ -246,20 +333,38 @@ async fn main() -> anyhow::Result<()> {
             ls.concurrency = None;
             let mut ps = spec(&format!("c-N{n}"), Peer, jobs, 200, n);
             ps.peer_concurrency = n as usize;
-            let l = go(&env, ls, &mut all).await?;
-            let p = go(&env, ps, &mut all).await?;
+            let l = go(&env, args.quick, ls, &mut all).await?;
+            let p = go(&env, args.quick, ps, &mut all).await?;
             let slot = |o: &Outcome| o.jobs_per_s / (n as f64 / 0.2);
-            rep.push(Row::new("c", &format!("slot use, 200 ms, N={n}, default concurrency (peer C={n})"), ">= 0.99")
-                .vals(val(&l, slot), val(&p, slot)));
+            rep.push(
+                Row::new(
+                    "c",
+                    &format!("slot use, 200 ms, N={n}, default concurrency (32; peer C={n})"),
+                    ">= 0.99",
+                )
+                .vals(val(&l, slot), val(&p, slot)),
+            );
             if n == 64 {
-                rep.push(Row::new("d", "worker CPU ms/job at 200 ms (N=64)", "<= 0.15")
-                    .vals(val(&l, |o| o.worker_cpu_ms_per_job), val(&p, |o| o.worker_cpu_ms_per_job)));
-                rep.push(Row::new("d", "Redis CPU ms/job at 200 ms (N=64)", "<= peer")
-                    .vals(val(&l, |o| o.redis_cpu_ms_per_job), val(&p, |o| o.redis_cpu_ms_per_job)));
+                rep.push(
+                    Row::new("d", "worker CPU ms/job at 200 ms (N=64)", "<= 0.15").vals(
+                        val(&l, |o| o.worker_cpu_ms_per_job),
+                        val(&p, |o| o.worker_cpu_ms_per_job),
+                    ),
+                );
+                rep.push(
+                    Row::new("d", "Redis CPU ms/job at 200 ms (N=64)", "<= peer").vals(
+                        val(&l, |o| o.redis_cpu_ms_per_job),
+                        val(&p, |o| o.redis_cpu_ms_per_job),
+                    ),
+                );
                 c64 = Some(l);
             } else {
-                rep.push(Row::new("d", "worker CPU ms/job at 200 ms (N=8)", "<= 0.15")
-                    .vals(val(&l, |o| o.worker_cpu_ms_per_job), val(&p, |o| o.worker_cpu_ms_per_job)));
+                rep.push(
+                    Row::new("d", "worker CPU ms/job at 200 ms (N=8)", "<= 0.15").vals(
+                        val(&l, |o| o.worker_cpu_ms_per_job),
+                        val(&p, |o| o.worker_cpu_ms_per_job),
+                    ),
+                );
             }
         }
     }
@@ -269,9 +374,24 @@ async fn main() -> anyhow::Result<()> {
         let (rl, rp) = match a_rss {
             Some(v) => v,
             None => {
-                let l = go(&env, spec("e-C64", Llm, sz.a / 4, 0, 64), &mut all).await?;
-                let p = go(&env, spec("e-C64", Peer, sz.a / 4, 0, 64), &mut all).await?;
-                (val(&l, |o| mb(o.peak_rss_kb)), val(&p, |o| mb(o.peak_rss_kb)))
+                let l = go(
+                    &env,
+                    args.quick,
+                    spec("e-C64", Llm, sz.a / 4, 0, 64),
+                    &mut all,
+                )
+                .await?;
+                let p = go(
+                    &env,
+                    args.quick,
+                    spec("e-C64", Peer, sz.a / 4, 0, 64),
+                    &mut all,
+                )
+                .await?;
+                (
+                    val(&l, |o| mb(o.peak_rss_kb)),
+                    val(&p, |o| mb(o.peak_rss_kb)),
+                )
             }
         };
         rep.push(Row::new("e", "peak RSS MB, C=64 (0 ms)", "<= 10").vals(rl, rp));
@@ -279,12 +399,18 @@ async fn main() -> anyhow::Result<()> {
         ls.concurrency = Some(1000);
         let mut ps = spec("e-1000", Peer, sz.e, 1000, 1000);
         ps.peer_concurrency = 1000;
-        let l = go(&env, ls, &mut all).await?;
-        let p = go(&env, ps, &mut all).await?;
-        rep.push(Row::new("e", "peak RSS MB, 1,000 in flight (N=1000, 1 s)", "<= 64")
-            .vals(val(&l, |o| mb(o.peak_rss_kb)), val(&p, |o| mb(o.peak_rss_kb))));
-        rep.push(Row::new("e", "slot use, N=1000, 1 s model", "-")
-            .vals(val(&l, |o| o.jobs_per_s / 1000.0), val(&p, |o| o.jobs_per_s / 1000.0)));
+        let l = go(&env, args.quick, ls, &mut all).await?;
+        let p = go(&env, args.quick, ps, &mut all).await?;
+        rep.push(
+            Row::new("e", "peak RSS MB, 1,000 in flight (N=1000, 1 s)", "<= 64").vals(
+                val(&l, |o| mb(o.peak_rss_kb)),
+                val(&p, |o| mb(o.peak_rss_kb)),
+            ),
+        );
+        rep.push(Row::new("e", "slot use, N=1000, 1 s model", "-").vals(
+            val(&l, |o| o.jobs_per_s / 1000.0),
+            val(&p, |o| o.jobs_per_s / 1000.0),
+        ));
     }
 
     // (g) 8 worker processes, N=64, 200 ms.
@@ -296,13 +422,23 @@ async fn main() -> anyhow::Result<()> {
         let mut ps = spec("g", Peer, jobs, 200, 64);
         ps.peer_concurrency = 8;
         ps.processes = 8;
-        let l = go(&env, ls, &mut all).await?;
-        let p = go(&env, ps, &mut all).await?;
+        let l = go(&env, args.quick, ls, &mut all).await?;
+        let p = go(&env, args.quick, ps, &mut all).await?;
         let slot = |o: &Outcome| o.jobs_per_s / (64.0 / 0.2);
-        rep.push(Row::new("g", "slot use, 8 processes, N=64, 200 ms (peer 8x C=8)", ">= 0.98")
-            .vals(val(&l, slot), val(&p, slot)));
-        rep.push(Row::new("g", "Redis CPU ms/job, 8 processes", "flat vs 1 process")
-            .vals(val(&l, |o| o.redis_cpu_ms_per_job), val(&p, |o| o.redis_cpu_ms_per_job)));
+        rep.push(
+            Row::new(
+                "g",
+                "slot use, 8 processes, N=64, 200 ms (peer 8x C=8)",
+                ">= 0.98",
+            )
+            .vals(val(&l, slot), val(&p, slot)),
+        );
+        rep.push(
+            Row::new("g", "Redis CPU ms/job, 8 processes", "flat vs 1 process").vals(
+                val(&l, |o| o.redis_cpu_ms_per_job),
+                val(&p, |o| o.redis_cpu_ms_per_job),
+            ),
+        );
         if let Some(c) = c64.as_ref().filter(|c| ok(c) && ok(&l)) {
             rep.note(format!(
                 "g: llm-worker Redis CPU/job, 8 processes / 1 process (c, N=64): {:.2}",
@@ -318,7 +454,10 @@ async fn main() -> anyhow::Result<()> {
             eprintln!("[bench] h {}: start/stop x{}", s.name(), sz.h_reps);
             match run::start_stop(&env, s, sz.h_reps).await {
                 Ok((r, e)) => {
-                    rep.json.insert(format!("h-{}", s.name()), serde_json::json!({"ready_ms": r, "exit_ms": e}));
+                    rep.json.insert(
+                        format!("h-{}", s.name()),
+                        serde_json::json!({"ready_ms": r, "exit_ms": e}),
+                    );
                     med.push((Some(procs::median(r)), Some(procs::median(e))));
                 }
                 Err(e) => {
@@ -327,8 +466,19 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        rep.push(Row::new("h", "start to ready ms (median; peer: Worker created)", "<= 200").vals(med[0].0, med[1].0));
-        rep.push(Row::new("h", "SIGTERM to exit ms, nothing in flight (median)", "<= 100").vals(med[0].1, med[1].1));
+        rep.note("h: llm-worker is ready when GET /ready answers 200; the peer when its Worker is created (it prints `ready`)".into());
+        rep.push(
+            Row::new("h", "start to ready ms, empty queue (median)", "<= 200")
+                .vals(med[0].0, med[1].0),
+        );
+        rep.push(
+            Row::new(
+                "h",
+                "SIGTERM to exit ms, nothing in flight (median)",
+                "<= 100",
+            )
+            .vals(med[0].1, med[1].1),
+        );
     }
 
     let failed: Vec<String> = all
@@ -336,8 +486,16 @@ async fn main() -> anyhow::Result<()> {
         .filter(|o| o.failed > 0 || o.error.is_some())
         .map(|o| {
             let s = o.spec.as_ref().expect("spec");
-            format!("{} {}: {} failed jobs{}", s.label, s.subject.name(), o.failed,
-                o.error.as_ref().map(|e| format!(", error: {e}")).unwrap_or_default())
+            format!(
+                "{} {}: {} failed jobs{}",
+                s.label,
+                s.subject.name(),
+                o.failed,
+                o.error
+                    .as_ref()
+                    .map(|e| format!(", error: {e}"))
+                    .unwrap_or_default()
+            )
         })
         .collect();
     for f in failed {
@@ -345,14 +503,19 @@ async fn main() -> anyhow::Result<()> {
     }
     rep.json.insert("runs".into(), serde_json::to_value(&all)?);
     rep.json.insert("quick".into(), args.quick.into());
-    rep.json.insert("seconds".into(), started.elapsed().as_secs_f64().into());
+    rep.json
+        .insert("seconds".into(), started.elapsed().as_secs_f64().into());
     rep.json.insert("machine".into(), report::machine().into());
     rep.print();
     if let Some(parent) = args.json.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)?;
     }
     std::fs::write(&args.json, serde_json::to_string_pretty(&rep.to_json())?)?;
-    eprintln!("[bench] wrote {} ({:.0} s)", args.json.display(), started.elapsed().as_secs_f64());
+    eprintln!(
+        "[bench] wrote {} ({:.0} s)",
+        args.json.display(),
+        started.elapsed().as_secs_f64()
+    );
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -3,7 +3,8 @@
 //! `/v1/chat/completions` (body: `model`, `messages`, `max_tokens`) and return the
 //! assistant's content as the job's result. BullMQ keeps the result with the finished job.
 
-use bullmq::{BulkJob, Job, Queue, QueueOptions, RedisConnectionOptions, Worker, WorkerOptions};
+use bullmq::options::RedisConnectionOptions;
+use bullmq::{BulkJob, Job, Queue, QueueOptions, Worker, WorkerOptions};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -24,7 +25,12 @@ fn connection(redis_url: &str, max_connections: usize) -> RedisConnectionOptions
 }
 
 /// Enqueue `count` jobs on `queue` with the peer's own API (`Queue::add_bulk`, in chunks).
-pub async fn enqueue(redis_url: &str, queue: &str, count: u64, max_tokens: u64) -> anyhow::Result<()> {
+pub async fn enqueue(
+    redis_url: &str,
+    queue: &str,
+    count: u64,
+    max_tokens: u64,
+) -> anyhow::Result<()> {
     let opts = QueueOptions {
         connection: connection(redis_url, 4),
         ..QueueOptions::default()

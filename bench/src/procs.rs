@@ -49,7 +49,10 @@ pub fn sigterm(pid: u32) {
 pub async fn wait_port(port: u16, timeout: Duration) -> anyhow::Result<()> {
     let start = std::time::Instant::now();
     loop {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
             return Ok(());
         }
         if start.elapsed() > timeout {

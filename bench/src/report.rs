@@ -72,7 +72,10 @@ impl Report {
         println!("| scenario | figure | target | llm-worker | bullmq-official | ratio |");
         println!("|---|---|---|---|---|---|");
         for r in &self.rows {
-            let ratio = r.ratio.map(|x| format!("{}x", fmt(Some(x)))).unwrap_or("-".into());
+            let ratio = r
+                .ratio
+                .map(|x| format!("{}x", fmt(Some(x))))
+                .unwrap_or("-".into());
             println!(
                 "| {} | {} | {} | {} | {} | {} |",
                 r.scenario,
@@ -92,8 +95,14 @@ impl Report {
     }
     pub fn to_json(&self) -> serde_json::Value {
         let mut m = self.json.clone();
-        m.insert("table".into(), serde_json::to_value(&self.rows).unwrap_or_default());
-        m.insert("notes".into(), serde_json::to_value(&self.notes).unwrap_or_default());
+        m.insert(
+            "table".into(),
+            serde_json::to_value(&self.rows).unwrap_or_default(),
+        );
+        m.insert(
+            "notes".into(),
+            serde_json::to_value(&self.notes).unwrap_or_default(),
+        );
         serde_json::Value::Object(m)
     }
 }
@@ -103,8 +112,13 @@ pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpu
         .lines()
-        .find_map(|l| l.strip_prefix("model name").map(|r| r.trim_start_matches([' ', '\t', ':']).to_string()))
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|r| r.trim_start_matches([' ', '\t', ':']).to_string())
+        })
         .unwrap_or_default();
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     format!("{cores} cores, {model}")
 }

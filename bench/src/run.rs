@@ -58,6 +58,10 @@ pub struct Spec {
     pub processes: usize,
     /// Count client and in-script commands with MONITOR (slows Redis: not for timing).
     pub monitor: bool,
+    /// How long to wait for exit after SIGTERM before SIGKILL (short in --quick, where
+    /// only scenario h's exit times are used).
+    #[serde(skip)]
+    pub exit_grace: Duration,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -230,7 +234,14 @@ pub fn spawn_worker(
         Subject::Llm => {
             let http_port = procs::free_port()?;
             let cfg = env.dir.join(format!("llm-worker-{idx}.toml"));
-            write_config(&cfg, redis_url, sim_port, Some(http_port), spec_slots, concurrency)?;
+            write_config(
+                &cfg,
+                redis_url,
+                sim_port,
+                Some(http_port),
+                spec_slots,
+                concurrency,
+            )?;
             let mut cmd = Command::new(&env.daemon);
             cmd.arg("--config").arg(&cfg).arg("run");
             for (k, _) in std::env::vars() {
@@ -324,11 +335,16 @@ pub async fn wait_ready(p: &mut Proc, http: &reqwest::Client) -> anyhow::Result<
     Ok(ms)
 }
 
-/// SIGTERM and wait for exit; returns (ms, exit code).
-pub async fn terminate(p: &mut Proc) -> (f64, Option<i32>) {
+/// SIGTERM and wait for exit (at most `grace`, then SIGKILL: exit code None); returns
+/// (ms, exit code).
+pub async fn terminate(p: &mut Proc, grace: Duration) -> (f64, Option<i32>) {
     let t = Instant::now();
     procs::sigterm(p.pid);
-    match tokio::time::timeout(Duration::from_secs(30), p.child.wait()).await {
+    wait_exit(p, t, grace).await
+}
+
+async fn wait_exit(p: &mut Proc, t: Instant, grace: Duration) -> (f64, Option<i32>) {
+    match tokio::time::timeout(grace, p.child.wait()).await {
         Ok(Ok(st)) => (t.elapsed().as_secs_f64() * 1e3, st.code()),
         _ => {
             let _ = p.child.kill().await;
@@ -338,7 +354,10 @@ pub async fn terminate(p: &mut Proc) -> (f64, Option<i32>) {
 }
 
 /// Finished jobs so far (one driver command).
-async fn done_count(subject: Subject, c: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
+async fn done_count(
+    subject: Subject,
+    c: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<u64> {
     Ok(match subject {
         Subject::Llm => redis::cmd("XLEN").arg(RESULTS).query_async(c).await?,
         Subject::Peer => {
@@ -362,7 +381,10 @@ fn poll_commands(subject: Subject) -> u64 {
     }
 }
 
-async fn failed_count(subject: Subject, c: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
+async fn failed_count(
+    subject: Subject,
+    c: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<u64> {
     match subject {
         Subject::Peer => Ok(redis::cmd("ZCARD")
             .arg(format!("bull:{PEER_QUEUE}:failed"))
@@ -389,7 +411,10 @@ async fn failed_count(subject: Subject, c: &mut redis::aio::MultiplexedConnectio
                         failed += 1;
                     }
                 }
-                start = format!("({}", r.ids.last().map(|e| e.id.clone()).unwrap_or_default());
+                start = format!(
+                    "({}",
+                    r.ids.last().map(|e| e.id.clone()).unwrap_or_default()
+                );
             }
             Ok(failed)
         }
@@ -425,7 +450,7 @@ async fn measure(
     match spec.subject {
         Subject::Llm => fill_llm(&mut c, spec.jobs).await?,
         Subject::Peer => {
-            crate::peer::enqueue(&redis.url, PEER_QUEUE, spec.jobs, MAX_TOKENS).await?
+            llm_bench::peer::enqueue(&redis.url, PEER_QUEUE, spec.jobs, MAX_TOKENS).await?
         }
     }
     let http = reqwest::Client::new();
@@ -454,14 +479,18 @@ async fn measure(
     } else {
         None
     };
-    let cpu0: f64 = procs_.iter().filter_map(|p| procs::cpu_seconds(p.pid)).sum();
+    let cpu0: f64 = procs_
+        .iter()
+        .filter_map(|p| procs::cpu_seconds(p.pid))
+        .sum();
     let s0 = redisx::snap(&mut c).await?;
     let t0 = Instant::now();
     let r0 = done_count(spec.subject, &mut c).await?;
     let mut polls: u64 = 1;
-    let timeout = Duration::from_secs(60).max(Duration::from_millis(
-        spec.jobs * spec.latency_ms.max(1) * 20 / spec.slots.max(1) as u64,
-    ));
+    // Generous: 60 s, plus 2 ms a job, plus 4x the model's ideal time at N slots.
+    let timeout = Duration::from_millis(
+        60_000 + spec.jobs * 2 + spec.jobs * spec.latency_ms * 4 / spec.slots.max(1) as u64,
+    );
     let mut done = r0;
     while done < spec.jobs {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -481,7 +510,10 @@ async fn measure(
         }
     }
     let secs = t0.elapsed().as_secs_f64();
-    let cpu1: f64 = procs_.iter().filter_map(|p| procs::cpu_seconds(p.pid)).sum();
+    let cpu1: f64 = procs_
+        .iter()
+        .filter_map(|p| procs::cpu_seconds(p.pid))
+        .sum();
     let s1 = redisx::snap(&mut c).await?;
     let monitor_counts: Option<MonitorCounts> = match mon {
         Some((stop, task)) => {
@@ -530,9 +562,14 @@ async fn measure(
         out.monitor_script_per_job = Some(pj(&m.script));
     }
 
+    // SIGTERM every process at once, then wait for each.
+    let t = Instant::now();
+    for p in procs_.iter() {
+        procs::sigterm(p.pid);
+    }
     let mut exit_ms: f64 = 0.0;
     for p in procs_.iter_mut() {
-        let (ms, code) = terminate(p).await;
+        let (ms, code) = wait_exit(p, t, spec.exit_grace).await;
         exit_ms = exit_ms.max(ms);
         out.exit_codes.push(code);
     }
@@ -548,7 +585,11 @@ async fn measure(
 
 /// Start-to-ready and SIGTERM-to-exit with an empty queue, `reps` times; returns the
 /// samples (ms).
-pub async fn start_stop(env: &Env, subject: Subject, reps: usize) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+pub async fn start_stop(
+    env: &Env,
+    subject: Subject,
+    reps: usize,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     let redis = RedisServer::start(&env.dir).await?;
     let sim = Sim::start(env, 0).await?;
     let http = reqwest::Client::new();
@@ -561,7 +602,7 @@ pub async fn start_stop(env: &Env, subject: Subject, reps: usize) -> anyhow::Res
             ready.push(wait_ready(&mut p, &http).await?);
             // Let it settle into its idle read loop: nothing in flight.
             tokio::time::sleep(Duration::from_millis(300)).await;
-            exit.push(terminate(&mut p).await.0);
+            exit.push(terminate(&mut p, Duration::from_secs(30)).await.0);
             Ok(())
         }
         .await;
