@@ -154,7 +154,7 @@ async fn main() -> anyhow::Result<()> {
         peer: std::fs::canonicalize(&args.peer)?,
         dir: dir.clone(),
     };
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     let mut all: Vec<Outcome> = Vec::new();
     let mut rep = Report::default();
     use Subject::{Llm, Peer};

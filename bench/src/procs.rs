@@ -47,7 +47,7 @@ pub fn sigterm(pid: u32) {
 
 /// Wait until a TCP port accepts connections.
 pub async fn wait_port(port: u16, timeout: Duration) -> anyhow::Result<()> {
-    let start = std::time::Instant::now();
+    let start = tokio::time::Instant::now();
     loop {
         if tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await

@@ -8,9 +8,10 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
+use tokio::time::Instant;
 
 pub const MODEL: &str = "sim-model";
 pub const MAX_TOKENS: u64 = 16;
@@ -218,6 +219,14 @@ pub struct Proc {
     pub stdout: Option<tokio::process::ChildStdout>,
 }
 
+/// How a worker process is sized: llm-worker's N and concurrency, the peer's concurrency.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub slots: u32,
+    pub concurrency: Option<usize>,
+    pub peer_concurrency: usize,
+}
+
 /// Spawn one worker process of `subject`.
 pub fn spawn_worker(
     env: &Env,
@@ -225,10 +234,13 @@ pub fn spawn_worker(
     idx: usize,
     redis_url: &str,
     sim_port: u16,
-    spec_slots: u32,
-    concurrency: Option<usize>,
-    peer_concurrency: usize,
+    shape: Shape,
 ) -> anyhow::Result<Proc> {
+    let Shape {
+        slots: spec_slots,
+        concurrency,
+        peer_concurrency,
+    } = shape;
     let log = std::fs::File::create(env.dir.join(format!("{}-{idx}.log", subject.name())))?;
     match subject {
         Subject::Llm => {
@@ -462,9 +474,11 @@ async fn measure(
             i,
             &redis.url,
             sim.port,
-            spec.slots,
-            spec.concurrency,
-            spec.peer_concurrency,
+            Shape {
+                slots: spec.slots,
+                concurrency: spec.concurrency,
+                peer_concurrency: spec.peer_concurrency,
+            },
         )?);
     }
     let mut ready_ms: f64 = 0.0;
@@ -598,7 +612,18 @@ pub async fn start_stop(
     let mut err = None;
     for i in 0..reps {
         let r: anyhow::Result<()> = async {
-            let mut p = spawn_worker(env, subject, 100 + i, &redis.url, sim.port, 8, Some(8), 8)?;
+            let mut p = spawn_worker(
+                env,
+                subject,
+                100 + i,
+                &redis.url,
+                sim.port,
+                Shape {
+                    slots: 8,
+                    concurrency: Some(8),
+                    peer_concurrency: 8,
+                },
+            )?;
             ready.push(wait_ready(&mut p, &http).await?);
             // Let it settle into its idle read loop: nothing in flight.
             tokio::time::sleep(Duration::from_millis(300)).await;
