@@ -345,6 +345,19 @@ impl Queue {
         }
     }
 
+    /// Ends the blocking read of connection `client_id` now, as if its BLOCK ran out (no
+    /// entry is delivered by an unblocked read). Used at the first signal.
+    pub async fn unblock(&self, client_id: i64) -> Result<(), QueueError> {
+        let mut conn = self.conn.get().await?;
+        let _: i64 = redis::cmd("CLIENT")
+            .arg("UNBLOCK")
+            .arg(client_id)
+            .arg("TIMEOUT")
+            .query_async(&mut conn)
+            .await?;
+        Ok(())
+    }
+
     /// Reads up to `count` new entries, blocking up to `block`. The caller owns `conn`
     /// (a [`blocking_connection`]); the wait is bounded by `block` + 2 s.
     pub async fn read_new(

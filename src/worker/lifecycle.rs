@@ -32,7 +32,9 @@ impl Worker {
         let commit = tokio::select! {
             // A job whose end is decided in the same poll as `abort` keeps its result.
             biased;
-            c = self.process(&d, started, &spent) => c,
+            // Boxed: the job's state machine is large (kilobytes); on the heap it is
+            // never copied when the task is spawned or polled.
+            c = Box::pin(self.process(&d, started, &spent)) => c,
             _ = abort.cancelled() => {
                 tracing::info!(entry = %d.entry_id, "job cancelled by shutdown; handing it back");
                 metrics::counter!("llm_worker_jobs_abandoned_total").increment(1);
@@ -40,13 +42,13 @@ impl Worker {
             }
         };
         match commit {
-            Some(commit) => self.commit_until_written(&d, &commit, &abort).await,
+            Some(commit) => Box::pin(self.commit_until_written(&d, &commit, &abort)).await,
             None if self.draining.is_cancelled() => {
                 let (called, billed) = {
                     let s = lock(&spent);
                     (s.called, s.carry())
                 };
-                self.hand_back(&d, called, billed.as_deref()).await
+                Box::pin(self.hand_back(&d, called, billed.as_deref())).await
             }
             None => {}
         }

@@ -27,9 +27,18 @@ impl Worker {
         let tracker = TaskTracker::new();
         let draining = self.draining.clone();
         let stop_watch = stop.clone();
+        // The reader's connection id (CLIENT ID), so the first signal can end its
+        // blocking read at once (CLIENT UNBLOCK ... TIMEOUT: the read returns as if its
+        // BLOCK ran out, with no entry delivered) instead of after up to `queue.block_ms`.
+        let reader_id = Arc::new(std::sync::atomic::AtomicI64::new(0));
+        let (me, rid) = (self.clone(), reader_id.clone());
         let mirror = tokio::spawn(async move {
             stop_watch.cancelled().await;
             draining.cancel();
+            let id = rid.load(Ordering::SeqCst);
+            if id > 0 {
+                let _ = tokio::time::timeout(Duration::from_millis(500), me.queue.unblock(id)).await;
+            }
         });
         let _mirror_guard = AbortOnDrop(mirror);
         let prune_idle = self.cfg.queue.consumer_idle_remove_ms;
@@ -60,7 +69,16 @@ impl Worker {
             }
             if conn.is_none() {
                 match self.connect_reader().await {
-                    Ok(c) => conn = Some(c),
+                    Ok((c, id)) => {
+                        reader_id.store(id, Ordering::SeqCst);
+                        // The group exists and Redis answers: ready now, not after the
+                        // first read's BLOCK.
+                        self.redis_up();
+                        conn = Some(c);
+                        if stop.is_cancelled() {
+                            break;
+                        }
+                    }
                     Err(e) => {
                         self.redis_down(&e);
                         backoff.sleep(&stop).await;
@@ -234,12 +252,19 @@ impl Worker {
         }
     }
 
+    /// The reader's own connection and its CLIENT ID, with the group ensured.
     pub(super) async fn connect_reader(
         &self,
-    ) -> Result<redis::aio::MultiplexedConnection, QueueError> {
-        let c = blocking_connection(&self.cfg).await?;
+    ) -> Result<(redis::aio::MultiplexedConnection, i64), QueueError> {
+        let mut c = blocking_connection(&self.cfg).await?;
         self.queue.ensure_group().await?;
-        Ok(c)
+        let id = tokio::time::timeout(
+            Duration::from_secs(2),
+            redis::cmd("CLIENT").arg("ID").query_async::<i64>(&mut c),
+        )
+        .await
+        .map_err(|_| QueueError::Timeout(Duration::from_secs(2)))??;
+        Ok((c, id))
     }
 
     pub(super) fn redis_down(&self, e: &QueueError) {
