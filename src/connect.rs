@@ -22,7 +22,8 @@ pub enum ConnectError {
 
 from_cause!(ConnectError, ConnectError::Redis, redis::RedisError);
 
-/// Connection info from config: `redis.url`, with the password from `redis.password_env` if set.
+/// Connection info from config: `redis.url`, with `redis.password` (filled by validation
+/// from `redis.password_env`, else from the URL) if any.
 pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
     let info = cfg
         .redis

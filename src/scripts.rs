@@ -2,8 +2,10 @@
 //! with EVALSHA and loaded on NOSCRIPT). The callers (`queue`, `slots`) own what the
 //! scripts mean; this room only owns that each file is compiled in exactly once.
 //!
-//! Invariant: every key a script touches is passed in KEYS and shares the `{namespace}`
-//! hash tag, so each script also runs on Redis Cluster.
+//! Invariant: every key a script touches shares the `{namespace}` hash tag. The queue
+//! scripts pass every key in KEYS; the slot scripts also build keys from ARGV prefixes
+//! (waiter liveness, hand-off lists, restored slot keys), so they need a standalone Redis
+//! (Redis Cluster is not supported; see the README).
 
 use redis::Script;
 use std::sync::LazyLock;

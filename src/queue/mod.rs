@@ -3,9 +3,10 @@
 //!
 //! Invariants:
 //! - every key carries the `{namespace}` hash tag (one Cluster slot per queue);
-//! - a job entry is acknowledged only by `lua/commit.lua`, in the same step as its result
-//!   (one exception: an entry deleted from the stream while pending has no payload left to
-//!   process; [`Queue::reclaim`] acknowledges it and the worker logs and counts it; a
+//! - a job entry is acknowledged by `lua/commit.lua` in the same step as its result, or
+//!   by `lua/handback.lua` in the same step as the new entry that carries it on (one
+//!   more exception: an entry deleted from the stream while pending has no payload left
+//!   to process; [`Queue::reclaim`] acknowledges it and the worker logs and counts it; a
 //!   worker still running it writes its result anyway);
 //! - a commit checks everything that can fail before its first write and acknowledges
 //!   last, so an error leaves the job pending with nothing written;

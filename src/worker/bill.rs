@@ -28,9 +28,9 @@ impl Bill {
                 Decimal::ZERO
             });
             self.usage.add(&u);
-            self.cost += c;
+            self.cost = self.cost.saturating_add(c);
             entry.0.add(&u);
-            entry.1 += c;
+            entry.1 = entry.1.saturating_add(c);
         }
     }
 
@@ -108,6 +108,12 @@ impl Spent {
                 return s;
             }
         };
+        // A hand-edited value could be absurd; a cost outside [0, 1e9] USD is not ours.
+        let plausible = |d: &Decimal| *d >= Decimal::ZERO && *d <= Decimal::from(1_000_000_000u64);
+        if !c.models.values().all(|m| plausible(&m.cost_usd)) {
+            tracing::warn!(entry = %entry, "implausible cost in the _billed field of a handed-back job; its earlier spending is not counted");
+            return s;
+        }
         s.attempts = c.attempts;
         s.tried = c.tried;
         for (model, m) in c.models {
@@ -117,7 +123,7 @@ impl Spent {
                 cached_tokens: m.cached_tokens,
             };
             s.bill.usage.add(&usage);
-            s.bill.cost += m.cost_usd;
+            s.bill.cost = s.bill.cost.saturating_add(m.cost_usd);
             s.bill.per_model.insert(model, (usage, m.cost_usd, m.calls));
         }
         s

@@ -7,14 +7,17 @@
 //! Invariants:
 //! - never more jobs read than there are free job permits (back-pressure: a job is read
 //!   only when a task can start on it at once);
-//! - a job is acknowledged only through [`Queue::commit`], together with its result;
+//! - a job is acknowledged with its result ([`Queue::commit`]), or without one only when
+//!   it moves on: handed back as a new entry ([`Queue::hand_back`]) or found deleted from
+//!   the stream while pending ([`Queue::reclaim`]);
 //! - one task per entry in this process: an entry in `active` is never started again (a
 //!   self-reclaim is skipped), and a task's bookkeeping is undone by its drop guard;
 //! - no provider call starts after the first signal; a job stopped by shutdown without a
 //!   result is handed back to the fleet (or, if Redis is away, left pending);
-//! - every provider call holds a slot of its model's pool for its whole duration; its
-//!   release is detached from the job, so it never stands between a paid answer and its
-//!   commit.
+//! - every provider call starts holding a slot of its model's pool and keeps it unless
+//!   the lease is lost (this process paused or cut off alone past `slots.ttl_ms` while
+//!   another takes the slot; logged and counted); its release is detached from the job,
+//!   so it never stands between a paid answer and its commit.
 
 mod bill;
 mod commit;
