@@ -8,6 +8,8 @@
 -- ARGV[3] '1' = on failure, enqueue this process as a waiter
 -- ARGV[4] waiter liveness ttl ms         ARGV[5] prefix of waiter liveness keys
 -- ARGV[6] stall gap ms                   ARGV[7] prefix of the pool's slot keys
+-- ARGV[9] how many slots to take at most (the waiters of this process: one try serves
+--         them all instead of one round trip each)
 -- ARGV[8] index to try first (the slot this process released last: usually free, so a
 --         busy pool costs one SET NX instead of a scan over every held slot)
 --
@@ -16,8 +18,8 @@
 -- Waiters whose liveness key has expired (process gone) are dropped lazily.
 -- After a Redis stall, the prelude has given lapsed leases back to their holders first.
 --
--- Returns {i, 0}: slot i taken (value = token, PX ttl);
---         {-1, ms}: none free; ms = time until the nearest lease expires.
+-- Returns {k, 0, i1 .. ik}: k >= 1 slots taken (value = token, PX ttl);
+--         {0, ms}: none free; ms = time until the nearest lease expires.
 local token = ARGV[1]
 local now = slot_clock(KEYS[2], ARGV[7], ARGV[6])
 local head = nil
@@ -33,15 +35,24 @@ end
 if head == nil or head == token then
   local n = #KEYS - 2
   local first = (tonumber(ARGV[8]) or 0) % n
+  local want = math.max(1, tonumber(ARGV[9]) or 1)
+  local got = {0, 0}
   for j = 0, n - 1 do
     local i = (first + j) % n
     if redis.call('SET', KEYS[i + 3], token, 'NX', 'PX', ARGV[2]) then
       slot_note(KEYS[2], i, token, now, ARGV[2])
-      if head == token then
-        redis.call('ZREM', KEYS[1], token)
+      got[#got + 1] = i
+      got[1] = got[1] + 1
+      if got[1] >= want then
+        break
       end
-      return {i, 0}
     end
+  end
+  if got[1] > 0 then
+    if head == token then
+      redis.call('ZREM', KEYS[1], token)
+    end
+    return got
   end
 end
 local wait = tonumber(ARGV[2])
@@ -56,4 +67,4 @@ if ARGV[3] == '1' then
     redis.call('ZADD', KEYS[1], tonumber(tm[1]) * 1000000 + tonumber(tm[2]), token)
   end
 end
-return {-1, wait}
+return {0, wait}

@@ -243,7 +243,8 @@ impl std::fmt::Debug for Lease {
 }
 
 enum Try {
-    Got(u32),
+    /// Slots taken (at least one, at most the number asked for).
+    Got(Vec<u32>),
     Wait(Duration),
 }
 
@@ -353,8 +354,8 @@ impl Slots {
         if ps.has_waiters() {
             return Ok(None);
         }
-        match try_take(&self.inner, ps, false).await? {
-            Try::Got(i) => Ok(Some(make_lease(&self.inner, ps, i))),
+        match try_take(&self.inner, ps, false, 1).await? {
+            Try::Got(i) => Ok(Some(make_lease(&self.inner, ps, i[0]))),
             Try::Wait(_) => Ok(None),
         }
     }
@@ -379,14 +380,14 @@ impl Slots {
             // The driver may have served us while we waited for the lock; then the
             // lease is in `rx` already, and a try would only queue us for nothing.
             let tried = if ps.is_waiting(id) {
-                Some(try_take(inner, ps, true).await)
+                Some(try_take(inner, ps, true, 1).await)
             } else {
                 None
             };
             match tried {
                 None => {}
                 Some(Ok(Try::Got(i))) => {
-                    let lease = make_lease(inner, ps, i);
+                    let lease = make_lease(inner, ps, i[0]);
                     if !remove_waiter(ps, id) {
                         // A hand-off reached our entry meanwhile; whatever it sends us is
                         // dropped with `rx` and so released.
@@ -532,7 +533,13 @@ fn release_invoke(inner: &Inner, all: bool) -> redis::ScriptInvocation<'_> {
     inv
 }
 
-async fn try_take(inner: &Inner, ps: &PoolState, enqueue: bool) -> Result<Try, SlotError> {
+/// One acquire script: up to `want` free slots, or (`enqueue`) this process queued.
+async fn try_take(
+    inner: &Inner,
+    ps: &PoolState,
+    enqueue: bool,
+    want: usize,
+) -> Result<Try, SlotError> {
     let mut inv = inner.acquire_script.prepare_invoke();
     inv.key(&ps.queue_key).key(&ps.lease_key);
     for k in &ps.slot_keys {
@@ -545,11 +552,28 @@ async fn try_take(inner: &Inner, ps: &PoolState, enqueue: bool) -> Result<Try, S
         .arg(inner.keys.waiter_alive_prefix())
         .arg(stall_gap(inner.ttl).as_millis() as u64)
         .arg(&ps.slot_prefix)
-        .arg(ps.hint.load(Ordering::Relaxed));
+        .arg(ps.hint.load(Ordering::Relaxed))
+        .arg(want);
     let mut conn = inner.conn.get().await?;
-    let (i, wait): (i64, i64) = inv.invoke_async(&mut conn).await?;
-    Ok(if i >= 0 {
-        Try::Got(i as u32)
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+    let (taken, wait) = (
+        reply.first().copied().unwrap_or(0),
+        reply.get(1).copied().unwrap_or(0),
+    );
+    Ok(if taken > 0 {
+        let size = ps.slot_keys.len() as i64;
+        let got: Vec<u32> = reply
+            .get(2..)
+            .unwrap_or(&[])
+            .iter()
+            .filter(|&&i| (0..size).contains(&i))
+            .map(|&i| i as u32)
+            .collect();
+        if got.is_empty() {
+            Try::Wait(Duration::from_millis(1))
+        } else {
+            Try::Got(got)
+        }
     } else {
         Try::Wait(Duration::from_millis(wait.max(1) as u64))
     })
@@ -815,10 +839,13 @@ async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
         if !ps.has_waiters() {
             return; // a try now would queue this process with nobody here waiting
         }
-        match try_take(inner, ps, true).await {
-            Ok(Try::Got(i)) => {
+        let want = lock(&ps.waiters).len().max(1);
+        match try_take(inner, ps, true, want).await {
+            Ok(Try::Got(taken)) => {
                 *lock(&ps.next_check) = Instant::now();
-                deliver(ps, make_lease(inner, ps, i));
+                for i in taken {
+                    deliver(ps, make_lease(inner, ps, i));
+                }
                 if !ps.has_waiters() {
                     return;
                 }

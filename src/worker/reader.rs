@@ -37,7 +37,8 @@ impl Worker {
             draining.cancel();
             let id = rid.load(Ordering::SeqCst);
             if id > 0 {
-                let _ = tokio::time::timeout(Duration::from_millis(500), me.queue.unblock(id)).await;
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(500), me.queue.unblock(id)).await;
             }
         });
         let _mirror_guard = AbortOnDrop(mirror);
