@@ -519,6 +519,46 @@ fn bad_name_entry(id: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
     ]
 }
 
+/// Redis, the sim and a config `w.toml` (concurrency 8) in the returned directory.
+async fn bad_name_bench() -> (RedisServer, SimHandle, tempfile::TempDir) {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 8;
+    let dir = tempfile::tempdir().expect("tempdir");
+    tc.write(dir.path(), "w.toml");
+    (redis, sim, dir)
+}
+
+async fn push_bad_name(
+    conn: &mut redis::aio::MultiplexedConnection,
+    original: &[(Vec<u8>, Vec<u8>)],
+) -> String {
+    let f: Vec<(&[u8], &[u8])> = original.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+    push_raw(conn, "llm", &f).await
+}
+
+/// Waits for the results of `good` and `bad_entry`, checks them (see
+/// [`assert_bad_name_dead_lettered`]) and that no model was called for the bad one.
+async fn finish_bad_name(
+    conn: &mut redis::aio::MultiplexedConnection,
+    mut w: WorkerProc,
+    sim: &SimHandle,
+    bad_entry: &str,
+    original: &[(Vec<u8>, Vec<u8>)],
+    good: &[String],
+    deliveries: &str,
+) {
+    let n = good.len() as u64 + 1;
+    let waited = wait_len(conn, "{llm}:results", n, Duration::from_secs(20)).await;
+    if let Err(e) = context(waited, &[&w]) {
+        panic!("{e:#}");
+    }
+    assert_bad_name_dead_lettered(conn, &w, bad_entry, original, good, deliveries).await;
+    assert_eq!(sim.sim.stats().calls_per_job.get("bad-name"), None);
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+}
+
 /// Checks the one `invalid` result of `bad_entry` and its dead letter (every field of the
 /// original, byte for byte and in order), the `ok` results of `good`, and that the worker
 /// never took the entry for a Redis outage.
@@ -566,37 +606,20 @@ async fn assert_bad_name_dead_lettered(
 /// stayed pending with no task. Now that entry alone is dead-lettered, verbatim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn entry_with_a_non_utf8_field_name_is_dead_lettered_and_its_batch_runs() {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions::default()).await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.concurrency = 8;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = tc.write(dir.path(), "w.toml");
+    let (redis, sim, dir) = bad_name_bench().await;
     let mut conn = redis.conn().await;
     let original = bad_name_entry("bad-name");
-    let f: Vec<(&[u8], &[u8])> = original.iter().map(|(k, v)| (&k[..], &v[..])).collect();
-    let bad = push_raw(&mut conn, "llm", &f).await;
+    let bad = push_bad_name(&mut conn, &original).await;
     let good = push(&mut conn, "llm", &jobs("fine", 5)).await;
-    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
-    let waited = wait_len(&mut conn, "{llm}:results", 6, Duration::from_secs(20)).await;
-    if let Err(e) = context(waited, &[&w]) {
-        panic!("{e:#}");
-    }
-    assert_bad_name_dead_lettered(&mut conn, &w, &bad, &original, &good, "1").await;
-    assert_eq!(sim.sim.stats().calls_per_job.get("bad-name"), None);
-    stop_clean(&mut w, Duration::from_secs(10)).await;
+    let w = WorkerProc::spawn(&dir.path().join("w.toml"), "w1", &[]);
+    finish_bad_name(&mut conn, w, &sim, &bad, &original, &good, "1").await;
 }
 
 /// The same entry pending under a dead consumer: XAUTOCLAIM's reply failed the same way,
 /// so every later reclaim failed and no entry of any dead worker was taken over again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_entry_with_a_non_utf8_field_name_is_reclaimed_and_dead_lettered() {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions::default()).await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.concurrency = 8;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cfg = tc.write(dir.path(), "w.toml");
+    let (redis, sim, dir) = bad_name_bench().await;
     let mut conn = redis.conn().await;
     let _: () = redis::cmd("XGROUP")
         .arg("CREATE")
@@ -609,8 +632,7 @@ async fn pending_entry_with_a_non_utf8_field_name_is_reclaimed_and_dead_lettered
         .expect("xgroup");
     let good_before = push(&mut conn, "llm", &jobs("before", 2)).await;
     let original = bad_name_entry("bad-name");
-    let f: Vec<(&[u8], &[u8])> = original.iter().map(|(k, v)| (&k[..], &v[..])).collect();
-    let bad = push_raw(&mut conn, "llm", &f).await;
+    let bad = push_bad_name(&mut conn, &original).await;
     let good_after = push(&mut conn, "llm", &jobs("after", 2)).await;
     // A consumer that died holding all five.
     let _: redis::Value = redis::cmd("XREADGROUP")
@@ -626,15 +648,13 @@ async fn pending_entry_with_a_non_utf8_field_name_is_reclaimed_and_dead_lettered
         .await
         .expect("xreadgroup");
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 5);
-    let mut w = WorkerProc::spawn(&cfg, "w1", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "200")]);
-    let waited = wait_len(&mut conn, "{llm}:results", 5, Duration::from_secs(20)).await;
-    if let Err(e) = context(waited, &[&w]) {
-        panic!("{e:#}");
-    }
+    let w = WorkerProc::spawn(
+        &dir.path().join("w.toml"),
+        "w1",
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "200")],
+    );
     let good: Vec<String> = good_before.into_iter().chain(good_after).collect();
-    assert_bad_name_dead_lettered(&mut conn, &w, &bad, &original, &good, "2").await;
-    assert_eq!(sim.sim.stats().calls_per_job.get("bad-name"), None);
-    stop_clean(&mut w, Duration::from_secs(10)).await;
+    finish_bad_name(&mut conn, w, &sim, &bad, &original, &good, "2").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -770,12 +770,8 @@ pub async fn push_fields(
     ns: &str,
     fields: &[(&str, &[u8])],
 ) -> String {
-    let mut cmd = redis::cmd("XADD");
-    cmd.arg(key(ns, "jobs")).arg("*");
-    for (k, v) in fields {
-        cmd.arg(*k).arg(*v);
-    }
-    cmd.query_async(conn).await.expect("xadd")
+    let raw: Vec<(&[u8], &[u8])> = fields.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
+    push_raw(conn, ns, &raw).await
 }
 
 /// Every entry of a stream as (entry id, fields as raw bytes).
