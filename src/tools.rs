@@ -7,10 +7,11 @@ use crate::config::Config;
 use crate::connect::{ConnectError, blocking_connection, connection_info};
 use crate::cost;
 use crate::job;
-use crate::queue::{Keys, QueueError, ResultEntry, ResultStatus, WireError};
+use crate::queue::{
+    Entries, Keys, QueueError, ReadReply, ResultEntry, ResultStatus, StreamEntry, WireError,
+};
 use crate::slots::SlotKeys;
 use redis::AsyncCommands;
-use redis::streams::{StreamRangeReply, StreamReadReply};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -154,9 +155,12 @@ pub async fn enqueue(
 /// why they do not decode: an entry some other program wrote is shown, not fatal).
 pub type ResultRow = (String, Result<ResultEntry, WireError>);
 
-fn to_row(id: redis::streams::StreamId) -> ResultRow {
-    let r = ResultEntry::from_redis_map(&id.map);
-    (id.id, r)
+/// Read raw (see `queue::reply`): an entry with a field name that is not UTF-8 is shown
+/// (names read lossily), never fatal to the listing.
+fn to_row(e: StreamEntry) -> ResultRow {
+    let fields = e.fields.unwrap_or_default();
+    let r = ResultEntry::from_fields(fields.iter().map(|(k, v)| (String::from_utf8_lossy(k), v)));
+    (e.id, r)
 }
 
 /// Finds the result of job `job_id`: through its dedupe marker when present, else by
@@ -167,17 +171,17 @@ async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultRow>, To
     if let Some(marker) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
         // The marker is `<result entry id>|<status>` (lua/commit.lua).
         let rid = marker.split_once('|').map_or(marker.as_str(), |(r, _)| r);
-        let r: StreamRangeReply = c.xrange(&keys.results, rid, rid).await?;
-        if let Some(e) = r.ids.into_iter().next() {
+        let r: Entries = c.xrange(&keys.results, rid, rid).await?;
+        if let Some(e) = r.0.into_iter().next() {
             return Ok(Some(to_row(e)));
         }
     }
     let mut end = "+".to_string();
     loop {
-        let r: StreamRangeReply = c.xrevrange_count(&keys.results, &end, "-", 1000).await?;
-        let n = r.ids.len();
-        let last = r.ids.last().map(|e| e.id.clone());
-        for e in r.ids {
+        let r: Entries = c.xrevrange_count(&keys.results, &end, "-", 1000).await?;
+        let n = r.0.len();
+        let last = r.0.last().map(|e| e.id.clone());
+        for e in r.0 {
             let row = to_row(e);
             if matches!(&row.1, Ok(r) if r.job_id == job_id) {
                 return Ok(Some(row));
@@ -262,9 +266,9 @@ pub async fn results(
         }
     }
     let mut c = conn(cfg).await?;
-    let r: StreamRangeReply = c.xrevrange_count(&keys.results, "+", "-", count).await?;
+    let r: Entries = c.xrevrange_count(&keys.results, "+", "-", count).await?;
     let mut last = "$".to_string();
-    for e in r.ids.into_iter().rev() {
+    for e in r.0.into_iter().rev() {
         last = e.id.clone();
         print_result(&to_row(e), as_json, out)?;
     }
@@ -277,13 +281,10 @@ pub async fn results(
         let opts = redis::streams::StreamReadOptions::default()
             .block(1000)
             .count(100);
-        let r: Option<StreamReadReply> =
-            bc.xread_options(&[&keys.results], &[&last], &opts).await?;
-        for k in r.into_iter().flat_map(|r| r.keys) {
-            for e in k.ids {
-                last = e.id.clone();
-                print_result(&to_row(e), as_json, out)?;
-            }
+        let r: ReadReply = bc.xread_options(&[&keys.results], &[&last], &opts).await?;
+        for e in r.0 {
+            last = e.id.clone();
+            print_result(&to_row(e), as_json, out)?;
         }
         out.flush()?;
     }

@@ -520,3 +520,43 @@ async fn startup_error_log_hides_the_unix_url_password() {
     assert!(log.contains("nobody-listens.sock"), "{log}");
     assert!(!log.contains(PW), "{log}");
 }
+
+/// `results` and `status` read streams raw: an entry some other program wrote with a field
+/// name that is not UTF-8 is shown as unreadable (names read lossily), not fatal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_and_status_survive_a_field_name_that_is_not_utf8() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "c.toml");
+    let cfg_s = cfg.to_str().unwrap();
+    let mut conn = redis.conn().await;
+    for stream in ["{llm}:results", "{llm}:dead"] {
+        let _: String = redis::cmd("XADD")
+            .arg(stream)
+            .arg("*")
+            .arg(&b"\xffx"[..])
+            .arg("1")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    for args in [
+        &["--config", cfg_s, "results"][..],
+        &["--config", cfg_s, "results", "--json"],
+    ] {
+        let out = run_bin_async(args, &[], T).await;
+        assert_eq!(out.code, Some(0), "{}", out.all());
+        assert!(out.stdout.contains("status"), "{}", out.all());
+        assert_eq!(out.stdout.lines().count(), 1, "{}", out.all());
+    }
+    let out = run_bin_async(&["--config", cfg_s, "results", "--job", "nope"], &[], T).await;
+    assert_eq!(out.code, Some(1), "not found, not an error: {}", out.all());
+    let out = run_bin_async(&["--config", cfg_s, "status", "--json"], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("status --json");
+    assert_eq!(
+        (v["results"].clone(), v["dead_letters"].clone()),
+        (1.into(), 1.into())
+    );
+}

@@ -1044,29 +1044,6 @@ async fn bad_cost_total_field_gives_one_failed_result_naming_it() -> anyhow::Res
     Ok(())
 }
 
-/// Every entry of a stream with its fields in stream order, raw.
-async fn entries_ordered(
-    conn: &mut redis::aio::MultiplexedConnection,
-    stream: &str,
-) -> Vec<(String, Vec<(String, Vec<u8>)>)> {
-    let raw: Vec<(String, Vec<Vec<u8>>)> = redis::cmd("XRANGE")
-        .arg(stream)
-        .arg("-")
-        .arg("+")
-        .query_async(conn)
-        .await
-        .expect("xrange");
-    raw.into_iter()
-        .map(|(id, kv)| {
-            let fields = kv
-                .chunks(2)
-                .map(|p| (String::from_utf8_lossy(&p[0]).into_owned(), p[1].clone()))
-                .collect();
-            (id, fields)
-        })
-        .collect()
-}
-
 /// Hole 1b: an entry with thousands of fields (more than Lua can pass to one command)
 /// that is dead-lettered: one `invalid` result, one dead letter that keeps every field
 /// verbatim (packed into `_packed` past 1000 fields, see README), nothing half-written.
@@ -1095,11 +1072,15 @@ async fn dead_letter_of_an_entry_with_thousands_of_fields_keeps_them_all() -> an
     let rs = results_of(&mut conn, &entry, &w).await?;
     assert_eq!(rs.len(), 1, "one result: {rs:?}");
     assert_eq!(rs[0]["status"], "invalid", "{rs:?}");
-    let dead = entries_ordered(&mut conn, "{llm}:dead").await;
+    let dead = entries_bytes(&mut conn, "{llm}:dead").await;
     assert_eq!(dead.len(), 1, "one dead letter");
     let d = llm_worker::queue::DeadLetter::from_fields(&dead[0].1)?;
     assert_eq!(d.job_entry, entry);
-    let mut want: Vec<(String, Vec<u8>)> = names.into_iter().zip(values).collect();
+    let mut want: Vec<(Vec<u8>, Vec<u8>)> = names
+        .into_iter()
+        .map(String::into_bytes)
+        .zip(values)
+        .collect();
     want.sort();
     let mut got = d.original().to_vec();
     got.sort();

@@ -638,11 +638,11 @@ async fn handed_back_entry_with_thousands_of_fields_keeps_them_all() -> anyhow::
     let packed = all[0].1.get("_packed").expect("the fields, packed");
     let mut got = llm_worker::queue::unpack_fields(packed).expect("a packing");
     got.sort();
-    let mut want: Vec<(String, Vec<u8>)> = names
+    let mut want: Vec<(Vec<u8>, Vec<u8>)> = names
         .iter()
-        .map(|n| (n.clone(), b"\xff,1:x".to_vec()))
+        .map(|n| (n.clone().into_bytes(), b"\xff,1:x".to_vec()))
         .collect();
-    want.push(("payload".into(), payload.clone().into_bytes()));
+    want.push((b"payload".to_vec(), payload.clone().into_bytes()));
     want.sort();
     assert!(got == want, "every field verbatim in the hand-back");
     assert_eq!(

@@ -508,6 +508,155 @@ async fn bad_payloads_are_dead_lettered_verbatim_and_later_good_jobs_succeed() {
     b.shutdown().await;
 }
 
+/// The fields of a job entry with a field name that is not UTF-8, a repeated name, and a
+/// good payload of id `id`: the entry is bad input whatever its payload says.
+fn bad_name_entry(id: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
+    vec![
+        (b"\xffx".to_vec(), b"v\xfe".to_vec()),
+        (b"payload".to_vec(), job(id, "never run").into_bytes()),
+        (b"note".to_vec(), b"first".to_vec()),
+        (b"note".to_vec(), b"second".to_vec()),
+    ]
+}
+
+/// Redis, the sim and a config `w.toml` (concurrency 8) in the returned directory.
+async fn bad_name_bench() -> (RedisServer, SimHandle, tempfile::TempDir) {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 8;
+    let dir = tempfile::tempdir().expect("tempdir");
+    tc.write(dir.path(), "w.toml");
+    (redis, sim, dir)
+}
+
+async fn push_bad_name(
+    conn: &mut redis::aio::MultiplexedConnection,
+    original: &[(Vec<u8>, Vec<u8>)],
+) -> String {
+    let f: Vec<(&[u8], &[u8])> = original.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+    push_raw(conn, "llm", &f).await
+}
+
+/// Waits for the results of `good` and `bad_entry`, checks them (see
+/// [`assert_bad_name_dead_lettered`]) and that no model was called for the bad one.
+async fn finish_bad_name(
+    conn: &mut redis::aio::MultiplexedConnection,
+    mut w: WorkerProc,
+    sim: &SimHandle,
+    bad_entry: &str,
+    original: &[(Vec<u8>, Vec<u8>)],
+    good: &[String],
+    deliveries: &str,
+) {
+    let n = good.len() as u64 + 1;
+    let waited = wait_len(conn, "{llm}:results", n, Duration::from_secs(20)).await;
+    if let Err(e) = context(waited, &[&w]) {
+        panic!("{e:#}");
+    }
+    assert_bad_name_dead_lettered(conn, &w, bad_entry, original, good, deliveries).await;
+    assert_eq!(sim.sim.stats().calls_per_job.get("bad-name"), None);
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+}
+
+/// Checks the one `invalid` result of `bad_entry` and its dead letter (every field of the
+/// original, byte for byte and in order), the `ok` results of `good`, and that the worker
+/// never took the entry for a Redis outage.
+async fn assert_bad_name_dead_lettered(
+    conn: &mut redis::aio::MultiplexedConnection,
+    w: &WorkerProc,
+    bad_entry: &str,
+    original: &[(Vec<u8>, Vec<u8>)],
+    good: &[String],
+    deliveries: &str,
+) {
+    let results = entries(conn, "{llm}:results").await;
+    assert_eq!(results.len(), good.len() + 1, "{results:?}\n{}", w.log());
+    let by_entry: HashMap<_, _> = results
+        .iter()
+        .map(|(_, r)| (r["job_entry"].clone(), r))
+        .collect();
+    for id in good {
+        assert_eq!(by_entry[id]["status"], "ok", "{:?}", by_entry[id]);
+    }
+    let r = by_entry[bad_entry];
+    assert_eq!(r["status"], "invalid", "{r:?}");
+    assert_eq!(r["job_id"], "bad-name", "the producer's id is kept: {r:?}");
+    assert!(r["error"].contains("not UTF-8"), "{r:?}");
+    assert!(r["error"].contains("\\xffx"), "names the field: {r:?}");
+    let dead = entries_bytes(conn, "{llm}:dead").await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    let d = &dead[0].1;
+    let field = |k: &[u8]| d.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    assert_eq!(field(b"job_entry"), Some(bad_entry.as_bytes().to_vec()));
+    assert_eq!(field(b"reason"), Some(r["error"].clone().into_bytes()));
+    assert_eq!(field(b"deliveries"), Some(deliveries.as_bytes().to_vec()));
+    assert_eq!(
+        &d[d.len() - original.len()..],
+        original,
+        "the dead letter keeps every field, names included, byte for byte and in order"
+    );
+    let log = w.log();
+    assert!(!log.contains("Redis unreachable"), "{log}");
+    assert_eq!(pending_count(conn, "{llm}:jobs", "workers").await, 0);
+}
+
+/// One entry whose field name is not UTF-8 used to fail the whole XREADGROUP reply (the
+/// typed reply keys fields by `String`): the worker took it for an outage and the batch
+/// stayed pending with no task. Now that entry alone is dead-lettered, verbatim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entry_with_a_non_utf8_field_name_is_dead_lettered_and_its_batch_runs() {
+    let (redis, sim, dir) = bad_name_bench().await;
+    let mut conn = redis.conn().await;
+    let original = bad_name_entry("bad-name");
+    let bad = push_bad_name(&mut conn, &original).await;
+    let good = push(&mut conn, "llm", &jobs("fine", 5)).await;
+    let w = WorkerProc::spawn(&dir.path().join("w.toml"), "w1", &[]);
+    finish_bad_name(&mut conn, w, &sim, &bad, &original, &good, "1").await;
+}
+
+/// The same entry pending under a dead consumer: XAUTOCLAIM's reply failed the same way,
+/// so every later reclaim failed and no entry of any dead worker was taken over again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_entry_with_a_non_utf8_field_name_is_reclaimed_and_dead_lettered() {
+    let (redis, sim, dir) = bad_name_bench().await;
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut conn)
+        .await
+        .expect("xgroup");
+    let good_before = push(&mut conn, "llm", &jobs("before", 2)).await;
+    let original = bad_name_entry("bad-name");
+    let bad = push_bad_name(&mut conn, &original).await;
+    let good_after = push(&mut conn, "llm", &jobs("after", 2)).await;
+    // A consumer that died holding all five.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("workers")
+        .arg("ghost")
+        .arg("COUNT")
+        .arg(10)
+        .arg("STREAMS")
+        .arg("{llm}:jobs")
+        .arg(">")
+        .query_async(&mut conn)
+        .await
+        .expect("xreadgroup");
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 5);
+    let w = WorkerProc::spawn(
+        &dir.path().join("w.toml"),
+        "w1",
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "200")],
+    );
+    let good: Vec<String> = good_before.into_iter().chain(good_after).collect();
+    finish_bad_name(&mut conn, w, &sim, &bad, &original, &good, "2").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metadata_is_copied_job_id_defaults_to_the_entry_id_and_only_a_producer_id_leaves_a_marker()
 {

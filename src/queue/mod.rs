@@ -13,7 +13,9 @@
 //! - a commit for an entry another worker already committed writes nothing (no second
 //!   result).
 
+pub mod reply;
 mod wire;
+pub use reply::{AutoClaimReply, Entries, Field, ReadReply, StreamEntry};
 pub use wire::{
     DeadLetter, MAX_VERBATIM_FIELDS, PACKED_FIELDS, ResultEntry, ResultStatus, WireError,
     pack_fields, unpack_fields,
@@ -22,9 +24,7 @@ pub use wire::{
 use crate::config::Config;
 use crate::connect::{Commands, ConnectError};
 use crate::scripts;
-use redis::Value;
 use redis::aio::MultiplexedConnection;
-use redis::streams::StreamReadReply;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -133,12 +133,15 @@ pub struct Delivery {
     pub payload: Option<Vec<u8>>,
     /// Names of fields other than `payload` (reported, not fatal).
     pub extra_fields: Vec<String>,
-    /// Every field of the entry, verbatim (sorted by name), except the hand-back's own
-    /// bookkeeping fields ([`HANDED_BACK_DELIVERIES`], [`HANDED_BACK_ENTRY`],
-    /// [`HANDED_BACK_BILLED`]); a [`PACKED_FIELDS`] field (a wide entry handed back) is
-    /// unpacked into the fields it holds. Copied into a dead letter, so bad input never
-    /// loses what the producer wrote.
-    pub fields: Vec<(String, Vec<u8>)>,
+    /// Every field of the entry, names and values verbatim as bytes, in stream order
+    /// (a repeated name repeated), except the hand-back's own bookkeeping fields
+    /// ([`HANDED_BACK_DELIVERIES`], [`HANDED_BACK_ENTRY`], [`HANDED_BACK_BILLED`]); a
+    /// [`PACKED_FIELDS`] field (a wide entry handed back) is unpacked into the fields it
+    /// holds. Copied into a dead letter, so bad input never loses what the producer wrote.
+    pub fields: Vec<Field>,
+    /// Why the entry is bad input whatever its payload says (a field name that is not
+    /// UTF-8): the worker dead-letters it without reading the payload.
+    pub malformed: Option<String>,
     /// How many times this entry has been delivered (1 for a fresh read), plus the
     /// deliveries a hand-back carried over.
     pub deliveries: u64,
@@ -151,59 +154,65 @@ pub struct Delivery {
     pub first_entry: Option<String>,
 }
 
+/// The longest part of a bad field name a `malformed` reason quotes.
+const QUOTED_NAME_BYTES: usize = 64;
+
 impl Delivery {
-    fn from_stream_id(id: redis::streams::StreamId, deliveries: u64) -> Delivery {
-        let mut payload = None;
-        let mut extra = vec![];
-        let mut fields = vec![];
+    /// A delivery of entry `entry_id` with `fields` as Redis returned them (see
+    /// [`reply`]): every entry of a reply becomes one, whatever its fields hold, so one
+    /// bad entry never fails the others of its batch. `deliveries`: the entry's delivery
+    /// count.
+    pub fn from_fields(entry_id: String, fields: Vec<Field>, deliveries: u64) -> Delivery {
         let mut deliveries = deliveries;
         let mut first_entry = None;
         let mut billed = None;
         let mut raw = vec![];
-        for (k, v) in id.map {
-            if k == HANDED_BACK_ENTRY {
-                first_entry = redis::from_redis_value::<String>(v).ok();
-                continue;
-            }
-            if k == HANDED_BACK_DELIVERIES {
+        for (k, v) in fields {
+            if k == HANDED_BACK_ENTRY.as_bytes() {
+                first_entry = String::from_utf8(v).ok();
+            } else if k == HANDED_BACK_DELIVERIES.as_bytes() {
                 // A hand-back (see `Queue::hand_back`) carries the deliveries so far.
-                deliveries += redis::from_redis_value::<u64>(v).unwrap_or(0);
-                continue;
-            }
-            let bytes = match v {
-                Value::BulkString(b) => b,
-                Value::SimpleString(s) => s.into_bytes(),
-                Value::Int(i) => i.to_string().into_bytes(),
-                _ => vec![],
-            };
-            if k == HANDED_BACK_BILLED {
-                billed = Some(bytes);
-                continue;
-            }
-            if k == PACKED_FIELDS
-                && let Some(unpacked) = unpack_fields(&bytes)
+                deliveries += std::str::from_utf8(&v)
+                    .ok()
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .unwrap_or(0);
+            } else if k == HANDED_BACK_BILLED.as_bytes() {
+                billed = Some(v);
+            } else if k == PACKED_FIELDS.as_bytes()
+                && let Some(unpacked) = unpack_fields(&v)
             {
                 raw.extend(unpacked);
-                continue;
-            }
-            raw.push((k, bytes));
-        }
-        for (k, bytes) in raw {
-            if k == "payload" {
-                payload = Some(bytes.clone());
             } else {
-                extra.push(k.clone());
+                raw.push((k, v));
             }
-            fields.push((k, bytes));
+        }
+        let mut payload = None;
+        let mut extra = vec![];
+        let mut malformed = None;
+        for (k, v) in &raw {
+            match std::str::from_utf8(k) {
+                // A repeated `payload`: the last one, as Redis-side readers of a map see it.
+                Ok("payload") => payload = Some(v.clone()),
+                Ok(name) => extra.push(name.to_string()),
+                Err(_) if malformed.is_none() => {
+                    let cut = k.len().min(QUOTED_NAME_BYTES);
+                    let more = if cut < k.len() { "..." } else { "" };
+                    malformed = Some(format!(
+                        "entry field name \"{}{more}\" is not UTF-8 (stream field names must be text)",
+                        k[..cut].escape_ascii()
+                    ));
+                }
+                Err(_) => {}
+            }
         }
         extra.sort();
-        // The typed reply holds the fields in a map; restore a stable order.
-        fields.sort_by(|a, b| a.0.cmp(&b.0));
+        extra.dedup();
         Delivery {
-            entry_id: id.id,
+            entry_id,
             payload,
             extra_fields: extra,
-            fields,
+            fields: raw,
+            malformed,
             deliveries,
             billed,
             first_entry,
@@ -217,9 +226,9 @@ impl Delivery {
 pub struct Commit {
     pub entry_id: String,
     pub result: Vec<(&'static str, Vec<u8>)>,
-    /// The dead-letter entry (empty: none). Field names are owned: a dead letter carries
-    /// the original entry's fields under their own names.
-    pub dead: Vec<(String, Vec<u8>)>,
+    /// The dead-letter entry (empty: none). Field names are bytes: a dead letter carries
+    /// the original entry's fields under their own names, whatever they are.
+    pub dead: Vec<Field>,
     /// The job id whose result marker to set (None: no marker).
     pub dedupe_id: Option<String>,
     /// The job id whose in-progress marker to clear if it is this entry's.
@@ -378,17 +387,19 @@ impl Queue {
             .arg("STREAMS")
             .arg(&self.keys.jobs)
             .arg(">");
-        let fut = cmd.query_async::<Option<StreamReadReply>>(conn);
+        // Read raw (`ReadReply`): one entry the typed reply cannot hold must not fail the
+        // batch, nor pass for a Redis outage.
+        let fut = cmd.query_async::<ReadReply>(conn);
         let bound = block + Duration::from_secs(2);
         let reply = match tokio::time::timeout(bound, fut).await {
             Ok(r) => r?,
             Err(_) => return Err(QueueError::Timeout(bound)),
         };
+        // An entry read as new always has its fields; `None` only in history reads.
         Ok(reply
+            .0
             .into_iter()
-            .flat_map(|r| r.keys)
-            .flat_map(|k| k.ids)
-            .map(|id| Delivery::from_stream_id(id, 1))
+            .map(|e| Delivery::from_fields(e.id, e.fields.unwrap_or_default(), 1))
             .collect())
     }
 
@@ -430,7 +441,7 @@ impl Queue {
         }
         inv.arg(c.dead.len());
         for (k, v) in &c.dead {
-            inv.arg(k.as_str()).arg(v.as_slice());
+            inv.arg(k.as_slice()).arg(v.as_slice());
         }
         inv.arg(c.costs.len());
         for (k, v) in &c.costs {
@@ -544,7 +555,9 @@ impl Queue {
         let mut conn = self.conn.get().await?;
         let mut cursor = "0-0".to_string();
         while out.deliveries.len() < count {
-            let reply: redis::streams::StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+            // Raw (`AutoClaimReply`): one entry the typed reply cannot hold must not fail
+            // every reclaim from now on.
+            let mut reply: AutoClaimReply = redis::cmd("XAUTOCLAIM")
                 .arg(&self.keys.jobs)
                 .arg(&self.group)
                 .arg(&self.consumer)
@@ -554,20 +567,25 @@ impl Queue {
                 .arg(count - out.deliveries.len())
                 .query_async(&mut conn)
                 .await?;
-            if !reply.deleted_ids.is_empty() {
+            // Redis 6.2 lists a deleted entry among the claimed, without its fields.
+            let (claimed, deleted): (Vec<StreamEntry>, Vec<StreamEntry>) =
+                reply.claimed.into_iter().partition(|e| e.fields.is_some());
+            reply.deleted.extend(deleted.into_iter().map(|e| e.id));
+            let deleted_ids = reply.deleted;
+            if !deleted_ids.is_empty() {
                 let _: i64 = redis::cmd("XACK")
                     .arg(&self.keys.jobs)
                     .arg(&self.group)
-                    .arg(&reply.deleted_ids)
+                    .arg(&deleted_ids)
                     .query_async(&mut conn)
                     .await?;
-                out.deleted.extend(reply.deleted_ids);
+                out.deleted.extend(deleted_ids);
             }
-            if !reply.claimed.is_empty() {
+            if !claimed.is_empty() {
                 // Exactly the claimed ids (a range query with COUNT would also return
                 // entries of ours between them and miss claimed ones).
                 let mut pipe = redis::pipe();
-                for id in &reply.claimed {
+                for id in &claimed {
                     pipe.cmd("XPENDING")
                         .arg(&self.keys.jobs)
                         .arg(&self.group)
@@ -577,14 +595,15 @@ impl Queue {
                 }
                 let pending: Vec<Vec<(String, String, u64, u64)>> =
                     pipe.query_async(&mut conn).await?;
-                for (id, p) in reply.claimed.into_iter().zip(pending) {
+                for (id, p) in claimed.into_iter().zip(pending) {
                     // Just claimed, so pending; 2 (a re-delivery) only if it was
                     // acknowledged in between.
                     let n = p.first().map(|(_, _, _, n)| *n).unwrap_or(2);
-                    out.deliveries.push(Delivery::from_stream_id(id, n));
+                    let fields = id.fields.unwrap_or_default();
+                    out.deliveries.push(Delivery::from_fields(id.id, fields, n));
                 }
             }
-            cursor = reply.next_stream_id;
+            cursor = reply.next;
             if cursor == "0-0" {
                 break;
             }
@@ -598,23 +617,19 @@ impl Queue {
         result_id: &str,
     ) -> Result<Option<Vec<(String, Vec<u8>)>>, QueueError> {
         let mut conn = self.conn.get().await?;
-        let r: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        // Raw (`Entries`): a field name that is not UTF-8 (some other writer) is read
+        // lossily instead of failing the read.
+        let r: Entries = redis::cmd("XRANGE")
             .arg(&self.keys.results)
             .arg(result_id)
             .arg(result_id)
             .query_async(&mut conn)
             .await?;
-        Ok(r.ids.into_iter().next().map(|e| {
-            e.map
+        Ok(r.0.into_iter().next().map(|e| {
+            e.fields
+                .unwrap_or_default()
                 .into_iter()
-                .map(|(k, v)| {
-                    let b = match v {
-                        Value::BulkString(b) => b,
-                        Value::SimpleString(s) => s.into_bytes(),
-                        _ => vec![],
-                    };
-                    (k, b)
-                })
+                .map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v))
                 .collect()
         }))
     }

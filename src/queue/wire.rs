@@ -14,6 +14,7 @@
 //!   comma-separated (empty when no model was called), `metadata` as the job's JSON text;
 //!   optional fields are absent (never empty) when they have no value.
 
+use super::reply::Field;
 use crate::cost;
 use rust_decimal::Decimal;
 use std::collections::HashMap;
@@ -286,7 +287,8 @@ impl ResultEntry {
 
 /// One entry of `{ns}:dead`: the worker's fields first (`job_entry`, `job_id` if known,
 /// `reason`, `deliveries`), then every field of the original job entry, name and value
-/// verbatim (a name that clashes with one of ours appears twice, ours first). An entry of
+/// verbatim as bytes, in the original's order (a name that clashes with one of ours
+/// appears twice, ours first; a name that is not UTF-8 stays as it was). An entry of
 /// more than [`MAX_VERBATIM_FIELDS`] fields is kept whole as one field [`PACKED_FIELDS`]
 /// (see [`pack_fields`]): a Lua script cannot pass more arguments to one command.
 /// The original is the producer's fields only: the hand-back's bookkeeping fields
@@ -301,7 +303,7 @@ pub struct DeadLetter {
     pub job_id: Option<String>,
     pub reason: String,
     pub deliveries: u64,
-    original: Vec<(String, Vec<u8>)>,
+    original: Vec<Field>,
 }
 
 impl DeadLetter {
@@ -310,10 +312,10 @@ impl DeadLetter {
         job_id: Option<&str>,
         reason: &str,
         deliveries: u64,
-        original: Vec<(String, Vec<u8>)>,
+        original: Vec<Field>,
     ) -> DeadLetter {
         let original = if original.is_empty() {
-            vec![("payload".to_string(), vec![])]
+            vec![(b"payload".to_vec(), vec![])]
         } else {
             original
         };
@@ -327,23 +329,26 @@ impl DeadLetter {
     }
 
     /// The original entry's fields, verbatim, in the order they were written.
-    pub fn original(&self) -> &[(String, Vec<u8>)] {
+    pub fn original(&self) -> &[Field] {
         &self.original
     }
 
-    /// The fields to XADD (names owned: the original's names are the producer's).
-    pub fn into_fields(self) -> Vec<(String, Vec<u8>)> {
-        let mut f = vec![("job_entry".to_string(), self.job_entry.into_bytes())];
+    /// The fields to XADD (names as bytes: the original's names are the producer's).
+    pub fn into_fields(self) -> Vec<Field> {
+        let mut f = vec![(b"job_entry".to_vec(), self.job_entry.into_bytes())];
         if let Some(j) = self.job_id {
-            f.push(("job_id".to_string(), j.into_bytes()));
+            f.push((b"job_id".to_vec(), j.into_bytes()));
         }
-        f.push(("reason".to_string(), self.reason.into_bytes()));
+        f.push((b"reason".to_vec(), self.reason.into_bytes()));
         f.push((
-            "deliveries".to_string(),
+            b"deliveries".to_vec(),
             self.deliveries.to_string().into_bytes(),
         ));
         if self.original.len() > MAX_VERBATIM_FIELDS {
-            f.push((PACKED_FIELDS.to_string(), pack_fields(&self.original)));
+            f.push((
+                PACKED_FIELDS.as_bytes().to_vec(),
+                pack_fields(&self.original),
+            ));
         } else {
             f.extend(self.original);
         }
@@ -353,12 +358,19 @@ impl DeadLetter {
     /// Reads a dead letter from its fields in stream order (as XRANGE returns them; a map
     /// would lose a name the original shares with ours). Errors name the field that is
     /// missing or malformed.
-    pub fn from_fields(fields: &[(String, Vec<u8>)]) -> Result<Self, WireError> {
-        let mut it = fields.iter().peekable();
+    pub fn from_fields<K, V>(fields: &[(K, V)]) -> Result<Self, WireError>
+    where
+        K: AsRef<[u8]>,
+        V: AsRef<[u8]>,
+    {
+        let mut it = fields
+            .iter()
+            .map(|(k, v)| (k.as_ref(), v.as_ref()))
+            .peekable();
         let mut take = |name: &'static str, required: bool| -> Result<Option<String>, WireError> {
             match it.peek() {
-                Some((k, v)) if k == name => {
-                    let v = String::from_utf8(v.clone()).map_err(|e| WireError::Bad {
+                Some((k, v)) if *k == name.as_bytes() => {
+                    let v = String::from_utf8(v.to_vec()).map_err(|e| WireError::Bad {
                         kind: DEAD,
                         field: name,
                         value: String::from_utf8_lossy(e.as_bytes()).into_owned(),
@@ -384,9 +396,9 @@ impl DeadLetter {
             value: deliveries_text.clone(),
             expected: "a non-negative integer",
         })?;
-        let mut original: Vec<_> = it.cloned().collect();
+        let mut original: Vec<Field> = it.map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
         if let [(name, packed)] = original.as_slice()
-            && name == PACKED_FIELDS
+            && name == PACKED_FIELDS.as_bytes()
             && let Some(fields) = unpack_fields(packed)
         {
             original = fields;
@@ -420,10 +432,10 @@ pub const PACKED_FIELDS: &str = "_packed";
 
 /// Every name and value in order, each as a netstring (`<byte length>:<bytes>,`):
 /// binary-safe and verbatim, whatever the bytes.
-pub fn pack_fields(fields: &[(String, Vec<u8>)]) -> Vec<u8> {
+pub fn pack_fields(fields: &[Field]) -> Vec<u8> {
     let mut out = Vec::new();
     for (k, v) in fields {
-        for b in [k.as_bytes(), v.as_slice()] {
+        for b in [k.as_slice(), v.as_slice()] {
             out.extend_from_slice(b.len().to_string().as_bytes());
             out.push(b':');
             out.extend_from_slice(b);
@@ -434,8 +446,8 @@ pub fn pack_fields(fields: &[(String, Vec<u8>)]) -> Vec<u8> {
 }
 
 /// The fields [`pack_fields`] packed; `None` if `packed` is not such a packing (then it
-/// is an ordinary value, kept as it is). A name that is not UTF-8 is read lossily.
-pub fn unpack_fields(packed: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
+/// is an ordinary value, kept as it is). Names and values come back byte for byte.
+pub fn unpack_fields(packed: &[u8]) -> Option<Vec<Field>> {
     let mut rest = packed;
     let mut items: Vec<&[u8]> = Vec::new();
     while !rest.is_empty() {
@@ -459,7 +471,7 @@ pub fn unpack_fields(packed: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
     Some(
         items
             .chunks(2)
-            .map(|p| (String::from_utf8_lossy(p[0]).into_owned(), p[1].to_vec()))
+            .map(|p| (p[0].to_vec(), p[1].to_vec()))
             .collect(),
     )
 }
@@ -658,8 +670,10 @@ mod tests {
     #[test]
     fn dead_letter_round_trips_and_keeps_original_fields() {
         let original = vec![
-            ("body".to_string(), b"{\"x\":1}".to_vec()),
-            ("job_id".to_string(), vec![0xff, 0x00]),
+            (b"body".to_vec(), b"{\"x\":1}".to_vec()),
+            (b"job_id".to_vec(), vec![0xff, 0x00]),
+            (b"\xffx".to_vec(), b"name not UTF-8".to_vec()),
+            (b"body".to_vec(), b"repeated".to_vec()),
         ];
         for d in [
             DeadLetter::new("1-0", Some("j"), "bad", 3, original.clone()),
@@ -667,24 +681,29 @@ mod tests {
             DeadLetter::new("1-0", None, "empty", 1, vec![]),
         ] {
             let f = d.clone().into_fields();
-            assert_eq!(f[0].0, "job_entry");
+            assert_eq!(f[0].0, b"job_entry");
             assert_eq!(DeadLetter::from_fields(&f).unwrap(), d);
         }
         let f = DeadLetter::new("1-0", Some("j"), "bad", 3, original.clone()).into_fields();
         assert_eq!(&f[4..], &original[..]);
         let empty = DeadLetter::new("1-0", None, "empty", 1, vec![]).into_fields();
-        assert_eq!(empty.last().unwrap(), &("payload".to_string(), vec![]));
+        assert_eq!(empty.last().unwrap(), &(b"payload".to_vec(), vec![]));
     }
 
     #[test]
     fn wide_dead_letter_packs_its_original_and_round_trips() {
-        let wide: Vec<(String, Vec<u8>)> = (0..=MAX_VERBATIM_FIELDS)
-            .map(|i| (format!("f{i}"), vec![b'1', b':', b',', 0xff, i as u8]))
+        let wide: Vec<Field> = (0..=MAX_VERBATIM_FIELDS)
+            .map(|i| {
+                (
+                    vec![b'f', 0xff, i as u8],
+                    vec![b'1', b':', b',', 0xff, i as u8],
+                )
+            })
             .collect();
         let d = DeadLetter::new("1-0", None, "bad", 1, wide.clone());
         let f = d.clone().into_fields();
         assert_eq!(f.len(), 4, "job_entry, reason, deliveries, {PACKED_FIELDS}");
-        assert_eq!(f[3].0, PACKED_FIELDS);
+        assert_eq!(f[3].0, PACKED_FIELDS.as_bytes());
         assert_eq!(unpack_fields(&f[3].1).unwrap(), wide);
         assert_eq!(DeadLetter::from_fields(&f).unwrap(), d);
         // At the limit: verbatim.
@@ -697,7 +716,7 @@ mod tests {
         assert_eq!(unpack_fields(b""), Some(vec![]));
         assert_eq!(
             unpack_fields(b"1:a,0:,"),
-            Some(vec![("a".to_string(), vec![])])
+            Some(vec![(b"a".to_vec(), vec![])])
         );
         for bad in [
             &b"1:a,"[..],
@@ -719,7 +738,7 @@ mod tests {
     #[test]
     fn dead_letter_decode_names_the_missing_field() {
         let mut f = DeadLetter::new("1-0", None, "bad", 2, vec![]).into_fields();
-        f.retain(|(k, _)| k != "reason");
+        f.retain(|(k, _)| k != b"reason");
         let err = DeadLetter::from_fields(&f).unwrap_err();
         assert_eq!(
             err,

@@ -152,6 +152,19 @@ impl Worker {
         started: Instant,
         spent: &Mutex<Spent>,
     ) -> Option<Commit> {
+        if let Some(reason) = &d.malformed {
+            tracing::warn!(entry = %d.entry_id, %reason, "invalid job entry; dead-lettered");
+            let id = job::salvage_id(d.payload.as_deref());
+            return Some(self.reject(
+                d,
+                id.as_deref(),
+                id.is_some(),
+                ResultStatus::Invalid,
+                reason,
+                started,
+                &lock(spent),
+            ));
+        }
         let job = match job::parse(
             d.payload.as_deref(),
             d.first_entry.as_deref().unwrap_or(&d.entry_id),

@@ -770,12 +770,8 @@ pub async fn push_fields(
     ns: &str,
     fields: &[(&str, &[u8])],
 ) -> String {
-    let mut cmd = redis::cmd("XADD");
-    cmd.arg(key(ns, "jobs")).arg("*");
-    for (k, v) in fields {
-        cmd.arg(*k).arg(*v);
-    }
-    cmd.query_async(conn).await.expect("xadd")
+    let raw: Vec<(&[u8], &[u8])> = fields.iter().map(|(k, v)| (k.as_bytes(), *v)).collect();
+    push_raw(conn, ns, &raw).await
 }
 
 /// Every entry of a stream as (entry id, fields as raw bytes).
@@ -784,6 +780,59 @@ pub async fn entries_raw(
     stream: &str,
 ) -> Vec<(String, HashMap<String, Vec<u8>>)> {
     entries_as(conn, stream).await
+}
+
+/// Appends one job entry whose field names may be any bytes (not only UTF-8).
+pub async fn push_raw(
+    conn: &mut redis::aio::MultiplexedConnection,
+    ns: &str,
+    fields: &[(&[u8], &[u8])],
+) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(key(ns, "jobs")).arg("*");
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query_async(conn).await.expect("xadd")
+}
+
+/// Every entry of a stream as (entry id, fields in stream order, names and values as
+/// bytes): read from the raw reply, so a field name that is not UTF-8 and a repeated name
+/// are seen as they are.
+pub async fn entries_bytes(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+) -> Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> {
+    let v: redis::Value = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(conn)
+        .await
+        .expect("xrange");
+    let bytes = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => b.clone(),
+        redis::Value::SimpleString(s) => s.clone().into_bytes(),
+        other => panic!("not a string: {other:?}"),
+    };
+    let redis::Value::Array(es) = v else {
+        panic!("XRANGE reply: {v:?}")
+    };
+    es.iter()
+        .map(|e| {
+            let redis::Value::Array(pair) = e else {
+                panic!("entry: {e:?}")
+            };
+            let redis::Value::Array(fs) = &pair[1] else {
+                panic!("fields: {e:?}")
+            };
+            let id = String::from_utf8(bytes(&pair[0])).expect("entry id");
+            (
+                id,
+                fs.chunks(2).map(|p| (bytes(&p[0]), bytes(&p[1]))).collect(),
+            )
+        })
+        .collect()
 }
 
 /// Number of pending entries of `group` on `stream`.
