@@ -19,9 +19,11 @@
 -- removes the waiter from the queue (it re-queues at the tail if it still waits: round
 -- robin) and pushes "<i>|<pool>" onto the waiter's hand-off list, which its process
 -- blocks on.
--- Returns {released, handed_off, not_ours}.
+-- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
+-- 1 released, 2 handed off}.
 local token = ARGV[1]
 local released, handed, not_ours = 0, 0, 0
+local each = {}
 local a, k = 8, 1
 while a <= #ARGV do
   local pool, prefix = ARGV[a], ARGV[a + 1]
@@ -39,6 +41,7 @@ while a <= #ARGV do
     a = a + 1
     if redis.call('GET', key) ~= token then
       not_ours = not_ours + 1
+      each[#each + 1] = 0
     else
       while true do
         local h = redis.call('ZRANGE', q, 0, 0)
@@ -46,6 +49,7 @@ while a <= #ARGV do
           redis.call('DEL', key)
           redis.call('HDEL', lh, idx)
           released = released + 1
+          each[#each + 1] = 1
           break
         end
         redis.call('ZREM', q, h[1])
@@ -56,6 +60,7 @@ while a <= #ARGV do
           redis.call('RPUSH', wake, idx .. '|' .. pool)
           redis.call('PEXPIRE', wake, ARGV[2])
           handed = handed + 1
+          each[#each + 1] = 2
           break
         end
       end
@@ -65,4 +70,8 @@ end
 if ARGV[5] == '1' then
   redis.call('DEL', ARGV[3] .. token, ARGV[4] .. token)
 end
-return {released, handed, not_ours}
+local out = {released, handed, not_ours}
+for j = 1, #each do
+  out[#out + 1] = each[j]
+end
+return out

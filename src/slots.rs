@@ -147,6 +147,8 @@ pub enum SlotError {
     Pool(deadpool_redis::PoolError),
     #[error(transparent)]
     Connect(#[from] ConnectError),
+    #[error("slot release: {0} (the slot's TTL frees it)")]
+    Release(String),
 }
 
 from_cause!(SlotError, SlotError::Redis, redis::RedisError);
@@ -217,6 +219,18 @@ struct Inner {
     acquire_script: redis::Script,
     release_script: redis::Script,
     renew_script: redis::Script,
+    /// Releases waiting for the release script, and whether one is running: releases
+    /// that arrive while a release script is on the wire go together in the next one
+    /// (one round trip for many jobs when calls end close together).
+    releases: Mutex<(Vec<PendingRelease>, bool)>,
+}
+
+/// One slot waiting to be released by the batching releaser.
+struct PendingRelease {
+    pool: String,
+    idx: u32,
+    key: String,
+    done: oneshot::Sender<Result<bool, String>>,
 }
 
 /// Handle to this process's view of the fleet-wide slots. Cheap to clone.
@@ -319,6 +333,7 @@ impl Slots {
                 acquire_script: crate::scripts::SLOT_ACQUIRE.clone(),
                 release_script: crate::scripts::SLOT_RELEASE.clone(),
                 renew_script: crate::scripts::SLOT_RENEW.clone(),
+                releases: Mutex::new((Vec::new(), false)),
             }),
         })
     }
@@ -461,7 +476,11 @@ impl Slots {
             }
         }
         let mut conn = inner.conn.get().await?;
-        let (released, handed, _): (u64, u64, u64) = inv.invoke_async(&mut conn).await?;
+        let reply: Vec<u64> = inv.invoke_async(&mut conn).await?;
+        let (released, handed) = (
+            reply.first().copied().unwrap_or(0),
+            reply.get(1).copied().unwrap_or(0),
+        );
         for (_, h) in lock(&inner.held).drain() {
             h.lost.store(true, Ordering::SeqCst); // their own release must not run again
         }
@@ -673,24 +692,99 @@ async fn release_lease(
     if lost.load(Ordering::SeqCst) {
         return Ok(()); // not ours any more: never touch another holder's slot
     }
-    let Some(ps) = inner.pools.get(pool) else {
+    if !inner.pools.contains_key(pool) {
         return Ok(());
-    };
-    let mut inv = release_invoke(inner, false);
-    inv.key(&ps.queue_key)
-        .key(&ps.lease_key)
-        .key(key)
-        .arg(pool)
-        .arg(&ps.slot_prefix)
-        .arg(1)
-        .arg(idx);
-    let mut conn = inner.conn.get().await?;
-    let (_, _, not_ours): (u64, u64, u64) = inv.invoke_async(&mut conn).await?;
-    ps.hint.store(idx, Ordering::Relaxed);
-    if not_ours > 0 {
-        lease_lost(pool, idx, "found expired or taken at release");
     }
-    Ok(())
+    let (tx, rx) = oneshot::channel();
+    let lead = {
+        let mut q = lock(&inner.releases);
+        q.0.push(PendingRelease {
+            pool: pool.to_string(),
+            idx,
+            key: key.to_string(),
+            done: tx,
+        });
+        !std::mem::replace(&mut q.1, true)
+    };
+    if lead {
+        // A task of its own: a caller that stops waiting (a timeout) cannot strand the
+        // releases of others.
+        tokio::spawn(run_releases(inner.clone()));
+    }
+    match rx.await {
+        Ok(Ok(not_ours)) => {
+            if not_ours {
+                lease_lost(pool, idx, "found expired or taken at release");
+            }
+            Ok(())
+        }
+        Ok(Err(e)) => Err(SlotError::Release(e)),
+        Err(_) => Err(SlotError::Release("the releaser stopped".into())),
+    }
+}
+
+/// Runs release scripts until no release waits: each takes every release queued so far.
+async fn run_releases(inner: Arc<Inner>) {
+    loop {
+        let batch = {
+            let mut q = lock(&inner.releases);
+            if q.0.is_empty() {
+                q.1 = false;
+                return;
+            }
+            std::mem::take(&mut q.0)
+        };
+        let outcome = release_batch(&inner, &batch).await;
+        for (i, p) in batch.into_iter().enumerate() {
+            let r = match &outcome {
+                Ok(status) => Ok(status.get(i).copied() == Some(0)),
+                Err(e) => Err(e.to_string()),
+            };
+            if r.is_ok()
+                && let Some(ps) = inner.pools.get(&p.pool)
+            {
+                ps.hint.store(p.idx, Ordering::Relaxed);
+            }
+            let _ = p.done.send(r);
+        }
+    }
+}
+
+/// One release script for `batch` (grouped by pool); per slot, in batch order: 0 = not
+/// ours, 1 = released, 2 = handed to a waiter.
+async fn release_batch(inner: &Inner, batch: &[PendingRelease]) -> Result<Vec<i64>, SlotError> {
+    let mut order: Vec<usize> = (0..batch.len()).collect();
+    order.sort_by(|&a, &b| batch[a].pool.cmp(&batch[b].pool));
+    let mut inv = release_invoke(inner, false);
+    let mut start = 0;
+    while start < order.len() {
+        let pool = &batch[order[start]].pool;
+        let end = order[start..]
+            .iter()
+            .position(|&j| &batch[j].pool != pool)
+            .map_or(order.len(), |n| start + n);
+        let ps = inner
+            .pools
+            .get(pool)
+            .ok_or_else(|| SlotError::UnknownPool(pool.clone()))?;
+        inv.key(&ps.queue_key).key(&ps.lease_key);
+        inv.arg(pool).arg(&ps.slot_prefix).arg(end - start);
+        for &j in &order[start..end] {
+            inv.key(&batch[j].key);
+            inv.arg(batch[j].idx);
+        }
+        start = end;
+    }
+    let mut conn = inner.conn.get().await?;
+    let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+    // The script answers {released, handed, not_ours, then one status per slot in the
+    // order sent}; put them back in batch order.
+    let per_slot = reply.get(3..).unwrap_or(&[]);
+    let mut status = vec![0; batch.len()];
+    for (k, &j) in order.iter().enumerate() {
+        status[j] = per_slot.get(k).copied().unwrap_or(0);
+    }
+    Ok(status)
 }
 
 /// Gives `lease` to the longest-waiting local waiter of its pool; drops (releases) it if

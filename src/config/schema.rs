@@ -80,8 +80,11 @@ pub struct QueueConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerConfig {
-    /// Jobs in flight in this process.
-    pub concurrency: NonZeroUsize,
+    /// Jobs in flight in this process. Absent = every pool's slots (N) summed plus an
+    /// eighth of that (at least 1) read ahead, so a job is waiting when a slot frees
+    /// (filled in by validation; see [`WorkerConfig::concurrency`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<NonZeroUsize>,
     /// After the first signal, running calls get this long before they are cancelled
     /// (and their jobs handed back).
     #[serde(with = "super::duration_ms")]
@@ -192,6 +195,14 @@ fn default_pool() -> String {
     "default".into()
 }
 
+impl WorkerConfig {
+    /// Jobs in flight in this process (after validation, always the configured or the
+    /// derived value; 32 only for a config that skipped validation).
+    pub fn concurrency(&self) -> usize {
+        self.concurrency.map_or(32, NonZeroUsize::get)
+    }
+}
+
 impl Default for RedisConfig {
     fn default() -> Self {
         RedisConfig {
@@ -223,7 +234,7 @@ impl Default for QueueConfig {
 impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
-            concurrency: NonZeroUsize::new(32).expect("32 > 0"),
+            concurrency: None,
             shutdown_grace_ms: Duration::from_millis(25_000),
         }
     }

@@ -88,7 +88,7 @@ fn config_demo_loads_with_empty_env() {
     assert_eq!(c.models["gpt-4.1"].provider, "sim-b");
     assert!(c.providers.values().all(|p| p.api_key.is_none()));
     assert_eq!(c.server.listen, "");
-    assert_eq!(c.worker.concurrency.get(), 16);
+    assert_eq!(c.worker.concurrency(), 16);
     assert_eq!(c.retry.base_delay_ms.as_millis(), 50);
     assert_eq!(c.slots.acquire_timeout_ms.as_millis(), 2000);
 }
@@ -277,7 +277,7 @@ fn config_env_overrides_scalars() {
     let c = Config::from_toml_str(DEMO, &e).expect("overrides");
     assert_eq!(c.redis.url, "redis://10.0.0.5:6379");
     assert_eq!(c.queue.namespace, "jobs2");
-    assert_eq!(c.worker.concurrency.get(), 4);
+    assert_eq!(c.worker.concurrency(), 4);
 }
 
 #[test]
@@ -720,4 +720,19 @@ fn config_dedupe_ttl_s_is_a_duration_in_seconds() {
         assert_eq!(key, "queue.dedupe_ttl_s", "{bad}: {message}");
         assert!(message.contains("second"), "{bad}: {message}");
     }
+}
+
+#[test]
+fn concurrency_absent_is_every_pools_n_plus_an_eighth_read_ahead() {
+    let without = DEMO.replacen("concurrency = 16", "", 1);
+    let c = Config::from_toml_str(&without, &env(&[])).expect("no concurrency");
+    // demo.toml: one pool of 4 slots -> 4 + max(1, 4 / 8)
+    assert_eq!(c.worker.concurrency(), 5);
+    let big = without.replacen("slots = 4 ", "slots = 64 ", 1);
+    let c = Config::from_toml_str(&big, &env(&[])).expect("N = 64");
+    assert_eq!(c.worker.concurrency(), 72);
+    // An explicit value wins, and check-config shows what is used.
+    let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo");
+    assert_eq!(c.worker.concurrency(), 16);
+    assert!(c.redacted_toml().contains("concurrency = 16\n"));
 }

@@ -56,6 +56,7 @@ impl Config {
             ),
         )?;
         self.validate_pools_providers_models()?;
+        self.derive_concurrency();
         self.validate_routes()?;
         self.resolve_api_keys(env)?;
         Ok(())
@@ -160,6 +161,15 @@ impl Config {
             q.consumer = default_consumer(env);
         }
         Ok(())
+    }
+
+    /// `worker.concurrency` when absent: N of every pool plus an eighth read ahead.
+    fn derive_concurrency(&mut self) {
+        if self.worker.concurrency.is_none() {
+            let n: usize = self.pools.values().map(|p| p.slots.get() as usize).sum();
+            let n = n.max(1);
+            self.worker.concurrency = std::num::NonZeroUsize::new(n + (n / 8).max(1));
+        }
     }
 
     fn validate_process(&self) -> Result<(), ConfigError> {

@@ -114,7 +114,7 @@ impl Worker {
             let waiting = lock(&self.active)
                 .len()
                 .saturating_sub(lock(&self.permits).len());
-            if waiting < self.cfg.worker.concurrency.get() {
+            if waiting < self.cfg.worker.concurrency() {
                 drop(lock(&self.permits).remove(entry_id));
             }
         }

@@ -80,7 +80,7 @@ pub struct Worker {
 
 impl Worker {
     pub fn new(cfg: Arc<Config>, queue: Queue, slots: Slots) -> Result<Worker, WorkerError> {
-        let cfg_concurrency = cfg.worker.concurrency.get();
+        let cfg_concurrency = cfg.worker.concurrency();
         let mut providers = HashMap::new();
         for (name, p) in &cfg.providers {
             providers.insert(name.clone(), Arc::new(ProviderClient::new(name, p)?));
