@@ -6,6 +6,7 @@
 -- KEYS[4] cost totals hash   KEYS[5] result marker of the job id
 -- KEYS[6] in-progress marker of the job id (deleted if it is this entry's)
 -- KEYS[7] hand-back tombstone of the job entry (lua/handback.lua): the entry was moved
+-- KEYS[8] dropped-entry tombstones (lua/reclaim.lua; sorted set: entry id -> expiry ms)
 -- ARGV[1] group   ARGV[2] job entry id   ARGV[3] results/dead MAXLEN (approximate)
 -- ARGV[4] result marker ttl in seconds (0 = no marker)   ARGV[5] 1 = XDEL the job entry
 -- ARGV[6] the result's status (stored in the marker)   ARGV[7] this worker's consumer name
@@ -25,18 +26,22 @@
 --                             wrote (an earlier try whose reply was lost): nothing written;
 --         {'superseded', result id or ''}: another worker committed the entry: nothing
 --                             written (a job never gets two results).
--- An entry deleted from the jobs stream while pending (XDEL, MAXLEN) may have been dropped
--- from the pending list by XCLAIM/XAUTOCLAIM; if no result exists for it nor an ok
--- result for its id, its result is written anyway (there is nothing left to acknowledge),
--- unless it was handed back (tombstone KEYS[7]): then the new entry's worker answers the
--- job, and this commit is superseded (one result per job).
+-- An entry neither pending nor in the jobs stream gets a result only on positive evidence
+-- that it was dropped from the pending list without one: a tombstone of lua/reclaim.lua
+-- in KEYS[8] (the producer deleted it while pending, and an XAUTOCLAIM dropped it; the
+-- tombstone is removed with the write). Otherwise (acknowledged and deleted by the commit
+-- of another worker, delete_acked; handed back, tombstone KEYS[7]; an ok result of its
+-- id) the commit is superseded: a job never gets two results, with or without a producer
+-- id. Known limit: a reply lost after a successful commit whose retry comes after more
+-- than 1000 other results of a job without a producer id is answered `superseded`
+-- instead of `had` (still exactly one result).
 -- Errors (nothing written): `WRONGTYPE <key> ...` naming the key, `ERR <key> field <f>
 -- ...` for a cost totals field HINCRBY would refuse (not an integer, or the sum leaves
 -- the 64-bit range: both like a key of the wrong type, someone must fix it),
 -- `ERR commit.lua: ...` for a malformed call (including more fields than Lua can pass to
 -- one XADD: the worker packs wide dead letters, see src/queue/wire.rs).
-local jobs, results, dead, costs, marker, inflight, handedback =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local jobs, results, dead, costs, marker, inflight, handedback, dropped =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local group, entry, maxlen, ttl, del, status, consumer =
   ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
 
@@ -128,7 +133,7 @@ local function wrong(key, want)
 end
 local e = wrong(jobs, 'stream') or wrong(results, 'stream')
   or (#deadl > 0 and wrong(dead, 'stream')) or (#costl > 0 and wrong(costs, 'hash'))
-  or wrong(marker, 'string')
+  or wrong(marker, 'string') or wrong(dropped, 'zset')
 if e then
   return e
 end
@@ -177,6 +182,12 @@ if not pending then
   if exists or mstatus == 'ok' or redis.call('EXISTS', handedback) == 1 then
     return {'superseded', ''}
   end
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local until_ms = tonumber(redis.call('ZSCORE', dropped, entry))
+  if not until_ms or until_ms < now then
+    return {'superseded', ''}
+  end
 end
 
 -- 4. Cost totals fields: each HINCRBY must succeed, since it runs after the first write.
@@ -219,6 +230,8 @@ if kind(inflight) == 'string' and redis.call('GET', inflight) == entry then
 end
 if pending then
   redis.call('XACK', jobs, group, entry)
+else
+  redis.call('ZREM', dropped, entry)
 end
 if del == '1' then
   redis.call('XDEL', jobs, entry)

@@ -5,18 +5,8 @@
 -- producer deleted from the stream (XDEL, MAXLEN) are not XCLAIMed: on Redis 7 that
 -- would drop them from the pending list and the worker's result would be thrown away.
 --
--- Also the fleet's heartbeat, so that time in which Redis did not answer is not counted
--- as jobs' idle time: every worker calls this at least every claim_idle_ms / 3 (the
--- reclaimer too, with no entries). If no call at all arrived for longer than the gap
--- threshold ARGV[4] (claim_idle_ms minus at least the keepalive period, e.g. half of it:
--- an entry's idle time already counts the time since its last keepalive, so a stall a
--- bit shorter than claim_idle_ms leaves it idle past claim_idle_ms) (Redis stopped,
--- partitioned away, or loading), the stall gate is set for claim_idle_ms from now:
--- until it expires nobody reclaims, so the workers that still
--- hold those jobs (and maybe their paid results) get to keep them alive or commit them.
--- The heartbeat write is allowed to fail (pcall: under maxmemory + noeviction).
--- An entry's marker that lapsed (a stall longer than its ttl) is re-created (SET NX), so
--- a new copy of the id pushed later is not paid a second time while this one runs.
+-- Also the fleet's heartbeat (prelude stall_gate.lua): every worker calls this at least
+-- every claim_idle_ms / 3 (with no entries too).
 --
 -- KEYS[1] jobs stream   KEYS[2] heartbeat (server ms)   KEYS[3] stall gate
 -- KEYS[3 + i] in-progress marker of entry i's job id (a placeholder when it has none)
@@ -25,17 +15,7 @@
 -- ARGV[3 + 2i], ARGV[4 + 2i]: entry id i, '1' if its job has a producer id (and so an
 -- in-progress marker; a job without one, or not parsed yet, has none: never create it)
 -- Returns {stalled (1: do not reclaim now), entries no longer ours, entries deleted}.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local idle = tonumber(ARGV[3])
-local gap = tonumber(ARGV[4])
-local hb = redis.pcall('GET', KEYS[2])
-local last = type(hb) == 'string' and tonumber(hb) or nil
-if last and now - last > gap then
-  redis.pcall('SET', KEYS[3], now, 'PX', idle)
-end
-redis.pcall('SET', KEYS[2], now, 'PX', 86400000)
-local stalled = redis.call('EXISTS', KEYS[3])
+local stalled = stall_gate(KEYS[2], KEYS[3], ARGV[3], ARGV[4])
 
 local gone, deleted = {}, {}
 for i = 1, (#ARGV - 4) / 2 do

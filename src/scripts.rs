@@ -16,9 +16,30 @@ pub static COMMIT: LazyLock<Script> =
 /// Idempotency by job id: done / claimed / busy.
 pub static CLAIM_ID: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/claim_id.lua")));
+/// A script of `lua/` with a shared prelude of `lua/` prepended.
+macro_rules! with_prelude {
+    ($prelude:literal, $file:literal) => {
+        LazyLock::new(|| {
+            Script::new(concat!(
+                include_str!(concat!("../lua/", $prelude)),
+                include_str!(concat!("../lua/", $file))
+            ))
+        })
+    };
+}
+
+/// Scripts that beat the fleet heartbeat and read the stall gate start with its prelude
+/// (`lua/stall_gate.lua`).
+macro_rules! gated_script {
+    ($file:literal) => {
+        with_prelude!("stall_gate.lua", $file)
+    };
+}
+
 /// Fleet heartbeat, stall gate, idle reset of this consumer's running entries.
-pub static KEEPALIVE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/keepalive.lua")));
+pub static KEEPALIVE: LazyLock<Script> = gated_script!("keepalive.lua");
+/// Stall gate + XAUTOCLAIM + delivery counts + tombstones of entries found deleted.
+pub static RECLAIM: LazyLock<Script> = gated_script!("reclaim.lua");
 /// Shutdown hand-back of unfinished entries as new entries.
 pub static HAND_BACK: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/handback.lua")));
@@ -29,12 +50,7 @@ pub static CONSUMERS: LazyLock<Script> =
 /// Every slot script starts with the lease-clock prelude (`lua/slot_clock.lua`).
 macro_rules! slot_script {
     ($file:literal) => {
-        LazyLock::new(|| {
-            Script::new(concat!(
-                include_str!("../lua/slot_clock.lua"),
-                include_str!(concat!("../lua/", $file))
-            ))
-        })
+        with_prelude!("slot_clock.lua", $file)
     };
 }
 

@@ -17,59 +17,6 @@ fn sim_calls(sim: &SimHandle) -> BTreeMap<String, u64> {
     sim.sim.stats().calls_per_job
 }
 
-/// Consumer-group setup as the worker does it, for tests that place entries by hand.
-async fn create_group(conn: &mut redis::aio::MultiplexedConnection) {
-    let r: redis::RedisResult<()> = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(conn)
-        .await;
-    if let Err(e) = r {
-        assert_eq!(e.code(), Some("BUSYGROUP"), "{e}");
-    }
-}
-
-/// Reads every new entry as consumer `who`.
-async fn read_as(conn: &mut redis::aio::MultiplexedConnection, who: &str) {
-    let _: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg("workers")
-        .arg(who)
-        .arg("STREAMS")
-        .arg("{llm}:jobs")
-        .arg(">")
-        .query_async(conn)
-        .await
-        .expect("xreadgroup");
-}
-
-/// Gives `entry` to `who`, idle for `idle_ms`, delivered `count` times so far.
-async fn xclaim(
-    conn: &mut redis::aio::MultiplexedConnection,
-    who: &str,
-    entry: &str,
-    idle_ms: u64,
-    count: u64,
-) {
-    let _: redis::Value = redis::cmd("XCLAIM")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .arg(who)
-        .arg(0)
-        .arg(entry)
-        .arg("IDLE")
-        .arg(idle_ms)
-        .arg("RETRYCOUNT")
-        .arg(count)
-        .arg("JUSTID")
-        .query_async(conn)
-        .await
-        .expect("xclaim");
-}
-
 async fn queue_for(redis: &RedisServer, sim: &SimHandle) -> Queue {
     let cfg = TestConfig::new(redis, sim).parsed();
     let pool = llm_worker::connect::commands(&cfg).expect("pool");
@@ -763,14 +710,6 @@ async fn failed_id_pushed_again_runs_again_then_is_a_duplicate() -> anyhow::Resu
 // ---------------------------------------------------------------------------------------
 // A hand-back then a late commit of the old entry: one result per job.
 
-/// A queue with its own consumer name.
-fn queue_as(redis: &RedisServer, sim: &SimHandle, consumer: &str) -> Queue {
-    let mut cfg = TestConfig::new(redis, sim).parsed();
-    cfg.queue.consumer = consumer.into();
-    let pool = llm_worker::connect::commands(&cfg).expect("pool");
-    Queue::new(&cfg, pool)
-}
-
 // Stall gate (review hole): a Redis stall shorter than claim_idle_ms but longer than
 // claim_idle_ms minus the keepalive period leaves a running entry idle past claim_idle_ms;
 // the gate must close on it, and the keepalive must re-create a lapsed in-progress marker.
@@ -825,12 +764,6 @@ async fn late_commit_of_a_handed_back_entry_is_superseded() -> anyhow::Result<()
     assert_eq!(results[0].1["job_entry"], new);
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
     Ok(())
-}
-
-/// Redis server time in ms.
-async fn server_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.expect("time");
-    s * 1000 + us / 1000
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -88,16 +88,7 @@ async fn consumers(conn: &mut Conn) -> HashMap<String, i64> {
 
 /// The delivery count of one pending entry (0 if not pending).
 async fn deliveries_of(conn: &mut Conn, entry: &str) -> u64 {
-    let v: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .arg(entry)
-        .arg(entry)
-        .arg(1)
-        .query_async(conn)
-        .await
-        .expect("xpending");
-    v.first().map(|p| p.3).unwrap_or(0)
+    pending_of(conn, entry).await.map(|p| p.1).unwrap_or(0)
 }
 
 /// Point 3: a job task that panics (debug-build hook) must not keep its entry alive: the

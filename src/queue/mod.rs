@@ -6,12 +6,15 @@
 //! - a job entry is acknowledged by `lua/commit.lua` in the same step as its result, or
 //!   by `lua/handback.lua` in the same step as the new entry that carries it on (one
 //!   more exception: an entry deleted from the stream while pending has no payload left
-//!   to process; [`Queue::reclaim`] acknowledges it and the worker logs and counts it; a
-//!   worker still running it writes its result anyway);
+//!   to process; [`Queue::reclaim`]'s XAUTOCLAIM drops it and leaves a tombstone, and the
+//!   worker logs and counts it; a worker still running it writes its result anyway);
+//! - a take-over (`lua/reclaim.lua`) is one atomic step with the stall gate and the
+//!   delivery counts of exactly the entries it claimed;
 //! - a commit checks everything that can fail before its first write and acknowledges
 //!   last, so an error leaves the job pending with nothing written;
 //! - a commit for an entry another worker already committed writes nothing (no second
-//!   result).
+//!   result); an entry neither pending nor in the stream gets a result only with a
+//!   dropped-entry tombstone of the reclaim.
 
 pub mod reply;
 mod wire;
@@ -123,6 +126,11 @@ impl Keys {
     pub fn handed_back(&self, entry_id: &str) -> String {
         format!("{}:handedback:{entry_id}", self.prefix)
     }
+    /// Tombstones of pending entries a reclaim found deleted from the stream (sorted set:
+    /// entry id -> expiry, server ms): a worker still running one may write its result.
+    pub fn dropped(&self) -> String {
+        format!("{}:dropped", self.prefix)
+    }
 }
 
 /// One job entry as read from the stream.
@@ -152,6 +160,8 @@ pub struct Delivery {
     /// The entry id the job was first pushed as, if this entry is a hand-back of it
     /// (field `_entry`): the job id of a payload without `id`, so it stays the same.
     pub first_entry: Option<String>,
+    /// Taken over from another consumer (or from this one) by [`Queue::reclaim`].
+    pub reclaimed: bool,
 }
 
 /// The longest part of a bad field name a `malformed` reason quotes.
@@ -172,10 +182,13 @@ impl Delivery {
                 first_entry = String::from_utf8(v).ok();
             } else if k == HANDED_BACK_DELIVERIES.as_bytes() {
                 // A hand-back (see `Queue::hand_back`) carries the deliveries so far.
-                deliveries += std::str::from_utf8(&v)
-                    .ok()
-                    .and_then(|s| s.parse::<u64>().ok())
-                    .unwrap_or(0);
+                // Producer-writable: saturating, so u64::MAX cannot overflow.
+                deliveries = deliveries.saturating_add(
+                    std::str::from_utf8(&v)
+                        .ok()
+                        .and_then(|s| s.parse::<u64>().ok())
+                        .unwrap_or(0),
+                );
             } else if k == HANDED_BACK_BILLED.as_bytes() {
                 billed = Some(v);
             } else if k == PACKED_FIELDS.as_bytes()
@@ -216,6 +229,7 @@ impl Delivery {
             deliveries,
             billed,
             first_entry,
+            reclaimed: false,
         }
     }
 }
@@ -268,6 +282,7 @@ pub struct Queue {
     commit_script: redis::Script,
     claim_id_script: redis::Script,
     keepalive_script: redis::Script,
+    reclaim_script: redis::Script,
     claim_idle_ms: u64,
     /// Entries already reported as deleted by the producer while we work on them (so the
     /// keepalive logs and counts each once).
@@ -327,6 +342,7 @@ impl Queue {
             commit_script: scripts::COMMIT.clone(),
             claim_id_script: scripts::CLAIM_ID.clone(),
             keepalive_script: scripts::KEEPALIVE.clone(),
+            reclaim_script: scripts::RECLAIM.clone(),
             claim_idle_ms: u64::try_from(cfg.queue.claim_idle_ms.as_millis()).unwrap_or(u64::MAX),
             reported_deleted: Default::default(),
         }
@@ -428,6 +444,7 @@ impl Queue {
             .key(dedupe_key)
             .key(inflight_key)
             .key(self.keys.handed_back(&c.entry_id))
+            .key(self.keys.dropped())
             .arg(&self.group)
             .arg(&c.entry_id)
             .arg(self.results_maxlen)
@@ -521,10 +538,7 @@ impl Queue {
         inv.arg(&self.group)
             .arg(&self.consumer)
             .arg(self.claim_idle_ms)
-            // The stall gate's heartbeat gap: claim_idle_ms minus more than the keepalive
-            // period (claim_idle_ms / 3) and its round trip, or an entry could be idle past
-            // claim_idle_ms after a stall the gate let through.
-            .arg(self.claim_idle_ms / 2);
+            .arg(self.stall_gap_ms());
         for (entry, job_id) in entries {
             inv.arg(entry)
                 .arg(if job_id.is_empty() { "0" } else { "1" });
@@ -535,72 +549,72 @@ impl Queue {
         Ok((stalled == 1, gone, deleted))
     }
 
-    /// Takes over up to `count` entries pending longer than `queue.claim_idle_ms`
-    /// (XAUTOCLAIM, cursor followed to the end or until `count` are claimed), with their
-    /// delivery counts. Entries deleted from the stream while pending are acknowledged.
+    /// The stall gate's heartbeat gap: claim_idle_ms minus more than the keepalive period
+    /// (claim_idle_ms / 3) and its round trip, or an entry could be idle past
+    /// claim_idle_ms after a stall the gate let through.
+    fn stall_gap_ms(&self) -> u64 {
+        self.claim_idle_ms / 2
+    }
+
+    /// How long a dropped-entry tombstone lives: it outlives any held result (a day, or
+    /// the result marker's ttl if longer), like the hand-back tombstone.
+    fn tombstone_ttl_s(&self) -> u64 {
+        self.dedupe_ttl_s.max(86_400)
+    }
+
+    /// Takes over up to `count` entries pending longer than `queue.claim_idle_ms`, with
+    /// their delivery counts: `lua/reclaim.lua`, one XAUTOCLAIM per call, the cursor
+    /// followed to the end or until `count` are claimed. Each call checks the stall gate
+    /// in the same atomic step: when Redis did not answer anyone for longer than
+    /// `claim_idle_ms / 2`, entries look idle, though their workers may be alive and
+    /// holding paid results; they get `claim_idle_ms` from the moment Redis answers again
+    /// to keep them or commit them, and nothing is taken over meanwhile (also not by an
+    /// XAUTOCLAIM that was queued behind the stall).
     ///
-    /// Nothing is taken over while the stall gate of `lua/keepalive.lua` is set: when
-    /// Redis did not answer anyone for longer than `claim_idle_ms / 2`, entries look
-    /// idle, though their workers may be alive and holding paid results; they get
-    /// `claim_idle_ms` from the moment Redis answers again to keep them or commit them.
+    /// Entries deleted from the stream while pending are dropped from the pending list
+    /// (by XAUTOCLAIM itself) and get a tombstone ([`Keys::dropped`]), so a worker still
+    /// running one writes its result.
     pub async fn reclaim(&self, count: usize) -> Result<Reclaimed, QueueError> {
         let mut out = Reclaimed::default();
-        let (stalled, _, _) = self.heartbeat(&[]).await?;
-        if stalled {
-            tracing::info!(
-                "Redis did not answer for longer than queue.claim_idle_ms; not taking over jobs for that long, so their workers can keep or commit them"
-            );
-            return Ok(out);
-        }
+        #[cfg(debug_assertions)]
+        debug_hooks::reclaim_pause().await;
         let mut conn = self.conn.get().await?;
         let mut cursor = "0-0".to_string();
         while out.deliveries.len() < count {
             // Raw (`AutoClaimReply`): one entry the typed reply cannot hold must not fail
             // every reclaim from now on.
-            let mut reply: AutoClaimReply = redis::cmd("XAUTOCLAIM")
-                .arg(&self.keys.jobs)
+            let (stalled, reply, counts): (i64, AutoClaimReply, Vec<u64>) = self
+                .reclaim_script
+                .key(&self.keys.jobs)
+                .key(format!("{}:heartbeat", self.keys.prefix))
+                .key(format!("{}:stalled", self.keys.prefix))
+                .key(self.keys.dropped())
                 .arg(&self.group)
                 .arg(&self.consumer)
                 .arg(self.claim_idle_ms)
+                .arg(self.stall_gap_ms())
                 .arg(&cursor)
-                .arg("COUNT")
                 .arg(count - out.deliveries.len())
-                .query_async(&mut conn)
+                .arg(self.tombstone_ttl_s() * 1000)
+                .invoke_async(&mut conn)
                 .await?;
-            // Redis 6.2 lists a deleted entry among the claimed, without its fields.
-            let (claimed, deleted): (Vec<StreamEntry>, Vec<StreamEntry>) =
-                reply.claimed.into_iter().partition(|e| e.fields.is_some());
-            reply.deleted.extend(deleted.into_iter().map(|e| e.id));
-            let deleted_ids = reply.deleted;
-            if !deleted_ids.is_empty() {
-                let _: i64 = redis::cmd("XACK")
-                    .arg(&self.keys.jobs)
-                    .arg(&self.group)
-                    .arg(&deleted_ids)
-                    .query_async(&mut conn)
-                    .await?;
-                out.deleted.extend(deleted_ids);
+            if stalled == 1 {
+                tracing::info!(
+                    "Redis did not answer for longer than queue.claim_idle_ms; not taking over jobs for that long, so their workers can keep or commit them"
+                );
+                break;
             }
-            if !claimed.is_empty() {
-                // Exactly the claimed ids (a range query with COUNT would also return
-                // entries of ours between them and miss claimed ones).
-                let mut pipe = redis::pipe();
-                for id in &claimed {
-                    pipe.cmd("XPENDING")
-                        .arg(&self.keys.jobs)
-                        .arg(&self.group)
-                        .arg(&id.id)
-                        .arg(&id.id)
-                        .arg(1);
-                }
-                let pending: Vec<Vec<(String, String, u64, u64)>> =
-                    pipe.query_async(&mut conn).await?;
-                for (id, p) in claimed.into_iter().zip(pending) {
-                    // Just claimed, so pending; 2 (a re-delivery) only if it was
-                    // acknowledged in between.
-                    let n = p.first().map(|(_, _, _, n)| *n).unwrap_or(2);
-                    let fields = id.fields.unwrap_or_default();
-                    out.deliveries.push(Delivery::from_fields(id.id, fields, n));
+            out.deleted.extend(reply.deleted);
+            for (e, n) in reply.claimed.into_iter().zip(counts) {
+                match e.fields {
+                    Some(fields) => {
+                        let mut d = Delivery::from_fields(e.id, fields, n);
+                        d.reclaimed = true;
+                        out.deliveries.push(d);
+                    }
+                    // Redis 6.2 lists an entry deleted while pending among the claimed,
+                    // without its fields.
+                    None => out.deleted.push(e.id),
                 }
             }
             cursor = reply.next;
@@ -609,6 +623,22 @@ impl Queue {
             }
         }
         Ok(out)
+    }
+
+    /// True when `entry_id` is still pending under this consumer (one XPENDING): checked
+    /// before a redelivered job without a producer id calls a model, since nothing else
+    /// (no id marker) would stop a second paid call for an entry committed meanwhile.
+    pub async fn still_ours(&self, entry_id: &str) -> Result<bool, QueueError> {
+        let mut conn = self.conn.get().await?;
+        let p: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(&self.keys.jobs)
+            .arg(&self.group)
+            .arg(entry_id)
+            .arg(entry_id)
+            .arg(1)
+            .query_async(&mut conn)
+            .await?;
+        Ok(p.first().is_some_and(|(_, c, _, _)| *c == self.consumer))
     }
 
     /// One result entry's fields, if it is still in the results stream.
@@ -686,8 +716,7 @@ impl Queue {
             .arg(entry_id)
             .arg(deliveries)
             .arg(if self.delete_acked { 1 } else { 0 })
-            // Outlives any held result: a day, or the result marker's ttl if longer.
-            .arg(self.dedupe_ttl_s.max(86_400))
+            .arg(self.tombstone_ttl_s())
             .arg(billed.unwrap_or_default())
             .arg(MAX_VERBATIM_FIELDS);
         let mut conn = self.conn.get().await?;
@@ -720,6 +749,32 @@ impl Queue {
     }
 }
 
+/// Fault injection for the integration tests, compiled into debug builds only.
+/// `LLM_WORKER_DEBUG_RECLAIM_PAUSE_MS=<ms>`: the first reclaim of this process waits that
+/// long right before its XAUTOCLAIM (`lua/reclaim.lua`) is sent, as a command queued
+/// behind a Redis stall.
+#[cfg(debug_assertions)]
+mod debug_hooks {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    static FIRED: AtomicBool = AtomicBool::new(false);
+
+    pub(super) async fn reclaim_pause() {
+        let Some(ms) = std::env::var("LLM_WORKER_DEBUG_RECLAIM_PAUSE_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return;
+        };
+        if FIRED.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        tracing::warn!(ms, "debug hook: pausing before the reclaim's XAUTOCLAIM");
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -734,6 +789,7 @@ mod tests {
             k.done("x"),
             k.inflight("x"),
             k.handed_back("1-0"),
+            k.dropped(),
             k.costs.clone(),
         ] {
             assert!(key.starts_with("{llm}:"), "{key}");

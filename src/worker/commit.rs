@@ -36,13 +36,14 @@ impl Worker {
     ///   ours) and counted as written, not as superseded.
     ///
     /// Only `abort` (shutdown past its grace) gives up on a held result; the job then
-    /// stays pending for another worker.
+    /// stays pending for another worker. Returns true when the entry is settled (a result
+    /// written now, by an earlier try, or by another worker).
     pub(super) async fn commit_until_written(
         &self,
         d: &Delivery,
         commit: &Commit,
         abort: &CancellationToken,
-    ) {
+    ) -> bool {
         let mut backoff = Backoff::redis();
         let mut held: Option<HeldBytes> = None;
         let mut fallback: Option<Commit> = None;
@@ -55,17 +56,17 @@ impl Worker {
                     if held.is_some() {
                         tracing::info!(entry = %d.entry_id, "held result written");
                     }
-                    return;
+                    return true;
                 }
                 Ok(CommitOutcome::AlreadyWritten { result_id }) => {
                     tracing::info!(entry = %d.entry_id, result = %result_id, "result was written by an earlier try whose reply was lost");
                     metrics::counter!("llm_worker_commit_reply_lost_total").increment(1);
-                    return;
+                    return true;
                 }
                 Ok(CommitOutcome::Superseded) => {
                     tracing::warn!(entry = %d.entry_id, "job was already committed by another worker; result discarded");
                     metrics::counter!("llm_worker_commit_superseded_total").increment(1);
-                    return;
+                    return true;
                 }
                 Err(e) if e.heals() => {
                     wait = true;
@@ -75,7 +76,7 @@ impl Worker {
                             None => {
                                 tracing::error!(entry = %d.entry_id, error = %e, limit = MAX_HELD_RESULT_BYTES, "cannot write result and too many result bytes are held already; dropping it (the job will be reclaimed and paid again)");
                                 metrics::counter!("llm_worker_results_lost_total").increment(1);
-                                return;
+                                return false;
                             }
                         }
                         tracing::warn!(entry = %d.entry_id, error = %e, "cannot write result; holding it until Redis takes it");
@@ -109,7 +110,7 @@ impl Worker {
             if abort.is_cancelled() {
                 tracing::error!(entry = %d.entry_id, "shutting down with a result not written; the job stays pending and will be redone");
                 metrics::counter!("llm_worker_results_lost_total").increment(1);
-                return;
+                return false;
             }
             if wait {
                 backoff.sleep(abort).await;

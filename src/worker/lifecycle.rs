@@ -25,8 +25,9 @@ impl Worker {
     /// Runs one job to its commit. A job stopped by shutdown before its result exists
     /// (`abort` fired, or it had not started its call when draining began) is handed back
     /// to the fleet. Cleanup of `active`, the permit and `in_flight` is the caller's
-    /// [`JobGuard`], so it also happens on a panic.
-    pub async fn handle(&self, d: Delivery, abort: CancellationToken) {
+    /// [`JobGuard`], so it also happens on a panic. Returns true when the entry is settled
+    /// (its commit wrote a result or found one): it can never be pending again.
+    pub async fn handle(&self, d: Delivery, abort: CancellationToken) -> bool {
         let started = Instant::now();
         let spent = Mutex::new(Spent::carried(d.billed.as_deref(), &d.entry_id));
         let commit = tokio::select! {
@@ -48,9 +49,10 @@ impl Worker {
                     let s = lock(&spent);
                     (s.called, s.carry())
                 };
-                Box::pin(self.hand_back(&d, called, billed.as_deref())).await
+                Box::pin(self.hand_back(&d, called, billed.as_deref())).await;
+                false
             }
-            None => {}
+            None => false,
         }
     }
 
@@ -295,6 +297,11 @@ impl Worker {
             ));
         }
         let mut plan = Plan::new(candidates, self.policy);
+        // A job without a producer id has no marker that would stop a second paid call:
+        // delivered again, it checks once, right before its first call, that its entry is
+        // still pending under this worker (not committed meanwhile by the worker it was
+        // taken over from). A first delivery skips the round trip.
+        let mut check_ours = !job.keyed && (d.deliveries > 1 || d.reclaimed);
         let finished = loop {
             // The local rate limit first: a fleet slot is never held while waiting on it.
             // Draining: no provider call starts after the first signal (the job is handed
@@ -316,6 +323,13 @@ impl Worker {
             if self.draining.is_cancelled() {
                 release_unused(lease).await;
                 return None;
+            }
+            if check_ours {
+                check_ours = false;
+                if !self.still_ours(&d.entry_id).await {
+                    release_unused(lease).await;
+                    return None;
+                }
             }
             lock(spent).start_call(&cand.model);
             plan.record_attempt();
@@ -417,6 +431,37 @@ impl Worker {
         }
     }
 
+    /// Whether a redelivered entry is still pending under this worker ([`Queue::still_ours`]),
+    /// retried while Redis does not answer. `false` (log at info, nothing committed): it
+    /// was committed or taken over meanwhile, or draining began.
+    pub(super) async fn still_ours(&self, entry_id: &str) -> bool {
+        let mut backoff = Backoff::redis();
+        loop {
+            match self.queue.still_ours(entry_id).await {
+                Ok(true) => return true,
+                Ok(false) => {
+                    tracing::info!(entry = %entry_id, "redelivered job is no longer pending under this worker (committed or taken over meanwhile); not calling a model for it");
+                    metrics::counter!("llm_worker_redeliveries_dropped_total").increment(1);
+                    return false;
+                }
+                Err(e) if !e.heals() => {
+                    // Cannot tell; the commit still keeps it to one result.
+                    tracing::warn!(entry = %entry_id, error = %e, "cannot check that a redelivered job is still ours; running it");
+                    return true;
+                }
+                Err(e) => {
+                    if backoff.failures() == 0 {
+                        tracing::warn!(entry = %entry_id, error = %e, "cannot check that a redelivered job is still ours; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+
     /// `fut`'s output, or `None` as soon as draining begins (the wait is dropped).
     pub(super) async fn unless_draining<T>(
         &self,
@@ -470,16 +515,23 @@ pub(super) async fn release_unused(lease: Lease) {
 /// Undoes a job task's bookkeeping on every exit, including a panic or the task being
 /// dropped: the entry leaves `active` (keepalive stops touching it, so a job whose task
 /// died is reclaimed after `queue.claim_idle_ms`), its permit is freed, `in_flight` drops.
+/// A settled entry joins `finished`, so a reclaim racing its commit does not start it again.
 pub(super) struct JobGuard {
     pub(super) worker: Arc<Worker>,
     pub(super) entry_id: String,
     /// `handle` returned (false on drop: the task panicked or was dropped mid-job).
     pub(super) ended: bool,
+    /// `handle` said the entry is settled (committed, here or elsewhere).
+    pub(super) settled: bool,
 }
 
 impl Drop for JobGuard {
     fn drop(&mut self) {
         let w = &self.worker;
+        if self.settled {
+            // Before leaving `active`: the reader never sees the entry in neither.
+            lock(&w.finished).insert(self.entry_id.clone());
+        }
         lock(&w.active).remove(&self.entry_id);
         drop(lock(&w.permits).remove(&self.entry_id));
         w.state.in_flight.fetch_sub(1, Ordering::SeqCst);

@@ -10,8 +10,11 @@
 //! - a job is acknowledged with its result ([`Queue::commit`]), or without one only when
 //!   it moves on: handed back as a new entry ([`Queue::hand_back`]) or found deleted from
 //!   the stream while pending ([`Queue::reclaim`]);
-//! - one task per entry in this process: an entry in `active` is never started again (a
-//!   self-reclaim is skipped), and a task's bookkeeping is undone by its drop guard;
+//! - one task per entry in this process: an entry in `active`, or among the last
+//!   [`RECENTLY_FINISHED`] it settled, is never started again (a self-reclaim is
+//!   skipped), and a task's bookkeeping is undone by its drop guard;
+//! - a job without a producer id that is delivered again calls no model unless its entry
+//!   is still pending under this consumer right before the call;
 //! - no provider call starts after the first signal; a job stopped by shutdown without a
 //!   result is handed back to the fleet (or, if Redis is away, left pending);
 //! - every provider call starts holding a slot of its model's pool and keeps it unless
@@ -36,7 +39,7 @@ use crate::provider::{self, ProviderClient};
 use crate::queue::Queue;
 use crate::router::RetryPolicy;
 use crate::slots::Slots;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -62,6 +65,10 @@ pub struct Worker {
     /// the task's [`JobGuard`] on any exit (return, panic, cancellation), so keepalive
     /// never keeps alive an entry nobody works on, and no second task starts on it.
     active: Mutex<HashMap<String, String>>,
+    /// Entries whose task ended settled (committed, or found committed elsewhere), the
+    /// last [`RECENTLY_FINISHED`] of them: a reclaim racing that commit may still return
+    /// one, and it must not start again.
+    finished: Mutex<Recent>,
     /// The job permit of each running task, by entry id. A copy of a busy job id gives
     /// its permit back while it waits (`wait_for_busy_id`); the guard drops the rest.
     permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
@@ -114,11 +121,60 @@ impl Worker {
             policy,
             state: Arc::new(WorkerState::default()),
             active: Mutex::new(HashMap::new()),
+            finished: Mutex::new(Recent::default()),
             permits: Mutex::new(HashMap::new()),
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
             draining: CancellationToken::new(),
             reader_stopped: CancellationToken::new(),
             releases: tokio_util::task::TaskTracker::new(),
         })
+    }
+}
+
+/// How many settled entries a worker remembers (see `Worker::finished`).
+pub const RECENTLY_FINISHED: usize = 4096;
+
+/// The last [`RECENTLY_FINISHED`] entry ids inserted, oldest dropped first.
+#[derive(Default)]
+struct Recent {
+    order: VecDeque<String>,
+    set: HashSet<String>,
+}
+
+impl Recent {
+    fn insert(&mut self, entry: String) {
+        if self.set.contains(&entry) {
+            return;
+        }
+        if self.order.len() >= RECENTLY_FINISHED
+            && let Some(old) = self.order.pop_front()
+        {
+            self.set.remove(&old);
+        }
+        self.set.insert(entry.clone());
+        self.order.push_back(entry);
+    }
+
+    fn contains(&self, entry: &str) -> bool {
+        self.set.contains(entry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_keeps_the_last_entries_only() {
+        let mut r = Recent::default();
+        for i in 0..RECENTLY_FINISHED + 10 {
+            r.insert(format!("{i}-0"));
+        }
+        r.insert(format!("{}-0", RECENTLY_FINISHED + 9));
+        assert_eq!(r.order.len(), RECENTLY_FINISHED);
+        assert_eq!(r.set.len(), RECENTLY_FINISHED);
+        assert!(!r.contains("9-0"));
+        assert!(r.contains("10-0"));
+        assert!(r.contains(&format!("{}-0", RECENTLY_FINISHED + 9)));
     }
 }

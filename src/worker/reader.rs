@@ -93,14 +93,14 @@ impl Worker {
                 match self.queue.reclaim(permits.len()).await {
                     Ok(r) => {
                         for id in &r.deleted {
-                            tracing::warn!(entry = %id, "pending job was deleted from the stream; acknowledged without a result");
+                            tracing::warn!(entry = %id, "pending job was deleted from the stream; dropped from the pending list (a worker still running it writes its result)");
                             metrics::counter!("llm_worker_jobs_deleted_while_pending_total")
                                 .increment(1);
                         }
                         let (ours, others): (Vec<Delivery>, Vec<Delivery>) = r
                             .deliveries
                             .into_iter()
-                            .partition(|d| self.is_active(&d.entry_id));
+                            .partition(|d| self.is_active_or_finished(&d.entry_id));
                         if !others.is_empty() {
                             tracing::info!(
                                 count = others.len(),
@@ -110,9 +110,10 @@ impl Worker {
                                 .increment(others.len() as u64);
                         }
                         for d in ours {
-                            // Our own running entry, reclaimed because its keepalive
-                            // lagged: it already has a task (and maybe a paid call).
-                            tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running; not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
+                            // Our own entry, reclaimed because its keepalive lagged: it
+                            // already has a task (and maybe a paid call), or its task
+                            // committed it since the reclaim ran.
+                            tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running or has just finished; not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
                             metrics::counter!("llm_worker_self_reclaims_skipped_total")
                                 .increment(1);
                         }
@@ -203,18 +204,22 @@ impl Worker {
             worker: self.clone(),
             entry_id: d.entry_id.clone(),
             ended: false,
+            settled: false,
         };
         let me = self.clone();
         let abort = abort.clone();
         tracker.spawn(async move {
             let mut guard = guard; // moved in whole: dropped with the task, whatever ends it
-            me.handle(d, abort).await;
+            guard.settled = me.handle(d, abort).await;
             guard.ended = true;
         });
     }
 
-    pub(super) fn is_active(&self, entry_id: &str) -> bool {
-        lock(&self.active).contains_key(entry_id)
+    /// Running here, or settled here lately (the guard fills `finished` before it
+    /// leaves `active`, and this reads them in the opposite order, so an entry moving
+    /// from one to the other is always seen in one of them).
+    pub(super) fn is_active_or_finished(&self, entry_id: &str) -> bool {
+        lock(&self.active).contains_key(entry_id) || lock(&self.finished).contains(entry_id)
     }
 
     /// The reclaimer's sweep of consumers left by stopped workers (see

@@ -1010,3 +1010,87 @@ pub async fn assert_started(workers: &[&WorkerProc]) {
         );
     }
 }
+
+/// Consumer-group setup as the worker does it, for tests that place entries by hand.
+pub async fn create_group(conn: &mut redis::aio::MultiplexedConnection) {
+    let r: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(conn)
+        .await;
+    if let Err(e) = r {
+        assert_eq!(e.code(), Some("BUSYGROUP"), "{e}");
+    }
+}
+
+/// Reads every new entry as consumer `who`.
+pub async fn read_as(conn: &mut redis::aio::MultiplexedConnection, who: &str) {
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("workers")
+        .arg(who)
+        .arg("STREAMS")
+        .arg("{llm}:jobs")
+        .arg(">")
+        .query_async(conn)
+        .await
+        .expect("xreadgroup");
+}
+
+/// Gives `entry` to `who`, idle for `idle_ms`, delivered `count` times so far.
+pub async fn xclaim(
+    conn: &mut redis::aio::MultiplexedConnection,
+    who: &str,
+    entry: &str,
+    idle_ms: u64,
+    count: u64,
+) {
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg(who)
+        .arg(0)
+        .arg(entry)
+        .arg("IDLE")
+        .arg(idle_ms)
+        .arg("RETRYCOUNT")
+        .arg(count)
+        .arg("JUSTID")
+        .query_async(conn)
+        .await
+        .expect("xclaim");
+}
+
+/// A queue with its own consumer name.
+pub fn queue_as(redis: &RedisServer, sim: &SimHandle, consumer: &str) -> llm_worker::queue::Queue {
+    let mut cfg = TestConfig::new(redis, sim).parsed();
+    cfg.queue.consumer = consumer.into();
+    let pool = llm_worker::connect::commands(&cfg).expect("pool");
+    llm_worker::queue::Queue::new(&cfg, pool)
+}
+
+/// (consumer, delivery count) of a pending entry, None when it is not pending.
+pub async fn pending_of(
+    conn: &mut redis::aio::MultiplexedConnection,
+    entry: &str,
+) -> Option<(String, u64)> {
+    let p: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg(entry)
+        .arg(entry)
+        .arg(1)
+        .query_async(conn)
+        .await
+        .expect("xpending");
+    p.into_iter().next().map(|(_, c, _, n)| (c, n))
+}
+
+/// Redis server time in ms.
+pub async fn server_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.expect("time");
+    s * 1000 + us / 1000
+}
