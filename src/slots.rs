@@ -174,6 +174,8 @@ struct PoolState {
     next_check: Mutex<Instant>,
     /// The slot this process released last: the acquire script tries it first.
     hint: AtomicU32,
+    /// The last try of `retry_pool` failed (see there).
+    try_failed: AtomicBool,
     /// Held by every step that may put this process into the pool's fleet queue (a try
     /// that enqueues) or take it out (`leave_if_idle`), each checking the local waiters
     /// under it. Without it a try of the driver, on the wire while an acquire's first try
@@ -307,6 +309,7 @@ impl Slots {
                         waiters: Mutex::new(VecDeque::new()),
                         next_check: Mutex::new(Instant::now()),
                         hint: AtomicU32::new(0),
+                        try_failed: AtomicBool::new(false),
                         queue_lock: tokio::sync::Mutex::new(()),
                     },
                 );
@@ -725,6 +728,20 @@ async fn release_lease(
 
 /// Runs release scripts until no release waits: each takes every release queued so far.
 async fn run_releases(inner: Arc<Inner>) {
+    // Should this task end early (a panic, the runtime shutting down), the next release
+    // must lead again and nobody may wait forever: the guard clears the flag and answers
+    // every queued release with an error (their slots' TTL frees them).
+    struct Leader(Arc<Inner>);
+    impl Drop for Leader {
+        fn drop(&mut self) {
+            let mut q = lock(&self.0.releases);
+            q.1 = false;
+            for p in q.0.drain(..) {
+                let _ = p.done.send(Err("the releaser stopped".into()));
+            }
+        }
+    }
+    let _leader = Leader(inner.clone());
     loop {
         let batch = {
             let mut q = lock(&inner.releases);
@@ -933,8 +950,16 @@ async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
         if !ps.has_waiters() {
             return; // a try now would queue this process with nobody here waiting
         }
-        let want = lock(&ps.waiters).len().max(1);
-        match try_take(inner, ps, true, want).await {
+        // After a failed try (its script may still run late and take slots nobody here
+        // knows of, until their TTL), ask for one slot at a time until a try succeeds.
+        let want = if ps.try_failed.load(Ordering::SeqCst) {
+            1
+        } else {
+            lock(&ps.waiters).len().max(1)
+        };
+        let tried = try_take(inner, ps, true, want).await;
+        ps.try_failed.store(tried.is_err(), Ordering::SeqCst);
+        match tried {
             Ok(Try::Got(taken)) => {
                 *lock(&ps.next_check) = Instant::now();
                 for i in taken {

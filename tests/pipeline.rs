@@ -926,3 +926,42 @@ async fn one_job_costs_a_hand_computed_literal() {
     );
     b.shutdown().await;
 }
+
+/// Issue 9 review: CLIENT ID / CLIENT UNBLOCK (the fast exit at a signal) are best
+/// effort. A least-privilege Redis user without them still reads and answers jobs, and
+/// still exits cleanly at SIGTERM (waiting out its blocking read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_without_client_commands_still_processes_jobs() -> anyhow::Result<()> {
+    let redis = RedisServer::start_tcp();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "w",
+            "on",
+            ">pw",
+            "~*",
+            "&*",
+            "+@all",
+            "-client|id",
+            "-client|unblock",
+        ])
+        .query_async(&mut conn)
+        .await?;
+    let url = format!("redis://w:pw@127.0.0.1:{}", redis.port());
+    let tc = TestConfig::with_urls(&url, sim.addr);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    push(&mut conn, "llm", &[job("acl-1", "hi")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["status"], "ok", "{:?}", results[0].1);
+    assert!(w.log().contains("CLIENT ID refused"), "{}", w.log());
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+    Ok(())
+}

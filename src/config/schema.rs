@@ -25,7 +25,7 @@ pub struct RedisConfig {
     /// on which a command timed out is dropped and a fresh one taken. Keep it well below
     /// `slots.ttl_ms` (validation requires at most a third of it) so a renewal that
     /// times out is retried before the lease runs out. 0 (the default) = a third of
-    /// `slots.ttl_ms`, between 50 and 1000 ms (filled in by validation).
+    /// `slots.ttl_ms`, at most 1000 ms (filled in by validation).
     #[serde(with = "super::duration_ms")]
     pub command_timeout_ms: Duration,
     /// Filled by validation: from `password_env` when that variable is set and

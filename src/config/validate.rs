@@ -1,6 +1,9 @@
 //! Validation: every range and cross-reference check, and the derived fields
 //! (`api_key`, `redis.password`, `queue.consumer`). Errors name the dotted key.
 
+/// The largest `worker.concurrency` derived from the pools (set it explicitly for more).
+pub const MAX_DERIVED_CONCURRENCY: usize = 1024;
+
 use super::prices::check_price;
 use super::secret::split_redis_url;
 use super::{CLAIM_IDLE_FLOOR, Config, ConfigError, Secret};
@@ -40,17 +43,15 @@ impl Config {
         self.validate_queue(env)?;
         self.validate_process()?;
         if self.redis.command_timeout_ms.is_zero() {
-            self.redis.command_timeout_ms = (self.slots.ttl_ms / 3).clamp(
-                std::time::Duration::from_millis(50),
-                std::time::Duration::from_millis(1000),
-            );
+            self.redis.command_timeout_ms =
+                (self.slots.ttl_ms / 3).min(std::time::Duration::from_millis(1000));
         }
         require(
-            self.redis.command_timeout_ms >= std::time::Duration::from_millis(50)
+            self.redis.command_timeout_ms >= std::time::Duration::from_millis(10)
                 && self.redis.command_timeout_ms * 3 <= self.slots.ttl_ms,
             "redis.command_timeout_ms",
             format!(
-                "must be at least 50 and at most a third of slots.ttl_ms ({} ms), got {}",
+                "must be at least 10 and at most a third of slots.ttl_ms ({} ms), got {}",
                 self.slots.ttl_ms.as_millis(),
                 self.redis.command_timeout_ms.as_millis()
             ),
@@ -163,12 +164,16 @@ impl Config {
         Ok(())
     }
 
-    /// `worker.concurrency` when absent: N of every pool plus an eighth read ahead.
+    /// `worker.concurrency` when absent: N of every pool plus an eighth read ahead, at
+    /// most [`MAX_DERIVED_CONCURRENCY`]. Per process: a fleet of P workers reads up to
+    /// P times that ahead (jobs waiting for a slot stay pending under their worker).
     fn derive_concurrency(&mut self) {
         if self.worker.concurrency.is_none() {
             let n: usize = self.pools.values().map(|p| p.slots.get() as usize).sum();
             let n = n.max(1);
-            self.worker.concurrency = std::num::NonZeroUsize::new(n + (n / 8).max(1));
+            // Capped: a huge pool must not make one process read the whole backlog.
+            self.worker.concurrency =
+                std::num::NonZeroUsize::new((n + (n / 8).max(1)).min(MAX_DERIVED_CONCURRENCY));
         }
     }
 

@@ -80,6 +80,8 @@ pub struct Worker {
     /// Fired when the reader loop has ended: hand-backs wait for it, so a draining worker
     /// never reads its own handed-back entries (its last blocking read is not cut short).
     reader_stopped: CancellationToken,
+    /// CLIENT ID was refused once (logged once).
+    warned_client_id: std::sync::atomic::AtomicBool,
     /// Slot releases after a call, detached from their job (see
     /// `Worker::release_detached`); `run` waits for them, bounded, before it returns.
     releases: tokio_util::task::TaskTracker,
@@ -126,6 +128,7 @@ impl Worker {
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
             draining: CancellationToken::new(),
             reader_stopped: CancellationToken::new(),
+            warned_client_id: std::sync::atomic::AtomicBool::new(false),
             releases: tokio_util::task::TaskTracker::new(),
         })
     }

@@ -35,10 +35,27 @@ impl Worker {
         let mirror = tokio::spawn(async move {
             stop_watch.cancelled().await;
             draining.cancel();
-            let id = rid.load(Ordering::SeqCst);
-            if id > 0 {
-                let _ =
-                    tokio::time::timeout(Duration::from_millis(500), me.queue.unblock(id)).await;
+            // Not ready from the first signal on (the reader may still finish a read).
+            me.state.taking_jobs.store(false, Ordering::SeqCst);
+            // The read may not have reached Redis yet when the signal came (the reader was
+            // reclaiming, say): unblock until the reader has stopped, a few times at most.
+            // Unblocking a client that is not blocked does nothing.
+            let mut warned = false;
+            for _ in 0..40 {
+                let id = rid.load(Ordering::SeqCst);
+                if id > 0 {
+                    let r = tokio::time::timeout(Duration::from_millis(500), me.queue.unblock(id));
+                    if let Ok(Err(e)) = r.await
+                        && !warned
+                    {
+                        warned = true;
+                        tracing::warn!(error = %e, "cannot end the reader's blocking read early (CLIENT UNBLOCK refused: the Redis user may lack it); the worker stops within queue.block_ms");
+                    }
+                }
+                tokio::select! {
+                    _ = me.reader_stopped.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
             }
         });
         let _mirror_guard = AbortOnDrop(mirror);
@@ -127,6 +144,7 @@ impl Worker {
                     }
                     Err(e) => {
                         conn = None;
+                        reader_id.store(0, Ordering::SeqCst);
                         self.redis_down(&e);
                         backoff.sleep(&stop).await;
                         continue;
@@ -156,6 +174,7 @@ impl Worker {
                 }
                 Err(e) => {
                     conn = None;
+                    reader_id.store(0, Ordering::SeqCst);
                     self.redis_down(&e);
                     backoff.sleep(&stop).await;
                 }
@@ -264,12 +283,21 @@ impl Worker {
     ) -> Result<(redis::aio::MultiplexedConnection, i64), QueueError> {
         let mut c = blocking_connection(&self.cfg).await?;
         self.queue.ensure_group().await?;
-        let id = tokio::time::timeout(
-            Duration::from_secs(2),
-            redis::cmd("CLIENT").arg("ID").query_async::<i64>(&mut c),
-        )
-        .await
-        .map_err(|_| QueueError::Timeout(Duration::from_secs(2)))??;
+        // Best effort: a Redis user without CLIENT ID still reads jobs (the first signal
+        // then waits out the current BLOCK).
+        let mut cmd = redis::cmd("CLIENT");
+        cmd.arg("ID");
+        let asked = tokio::time::timeout(Duration::from_secs(2), cmd.query_async::<i64>(&mut c));
+        let id = match asked.await {
+            Ok(Ok(id)) => id,
+            Ok(Err(e)) => {
+                if !self.warned_client_id.swap(true, Ordering::SeqCst) {
+                    tracing::warn!(error = %e, "CLIENT ID refused (the Redis user may lack it); at a signal the worker waits out its blocking read (queue.block_ms)");
+                }
+                0
+            }
+            Err(_) => return Err(QueueError::Timeout(Duration::from_secs(2))),
+        };
         Ok((c, id))
     }
 
