@@ -339,7 +339,7 @@ async fn main() -> anyhow::Result<()> {
             rep.push(
                 Row::new(
                     "c",
-                    &format!("slot use, 200 ms, N={n}, default concurrency (32; peer C={n})"),
+                    &format!("slot use, 200 ms, N={n}, default concurrency (N + N/8; peer C={n})"),
                     ">= 0.99",
                 )
                 .vals(val(&l, slot), val(&p, slot)),
