@@ -10,6 +10,9 @@
 -- ARGV[6] stall gap ms                   ARGV[7] prefix of the pool's slot keys
 -- ARGV[9] how many slots to take at most (the waiters of this process: one try serves
 --         them all instead of one round trip each)
+-- ARGV[10] prefix of the values of the slots taken: the j-th slot taken holds
+--         ARGV[10] .. j (`<token>#<nonce>.j`: one value per lease, so a late release of
+--         an old lease of this process can never delete a newer one)
 -- ARGV[8] index to try first (the slot this process released last: usually free, so a
 --         busy pool costs one SET NX instead of a scan over every held slot)
 --
@@ -18,7 +21,7 @@
 -- Waiters whose liveness key has expired (process gone) are dropped lazily.
 -- After a Redis stall, the prelude has given lapsed leases back to their holders first.
 --
--- Returns {k, 0, i1 .. ik}: k >= 1 slots taken (value = token, PX ttl);
+-- Returns {k, 0, i1 .. ik}: k >= 1 slots taken (value = ARGV[10] .. j, PX ttl);
 --         {0, ms}: none free; ms = time until the nearest lease expires.
 local token = ARGV[1]
 local now = slot_clock(KEYS[2], ARGV[7], ARGV[6])
@@ -39,8 +42,9 @@ if head == nil or head == token then
   local got = {0, 0}
   for j = 0, n - 1 do
     local i = (first + j) % n
-    if redis.call('SET', KEYS[i + 3], token, 'NX', 'PX', ARGV[2]) then
-      slot_note(KEYS[2], i, token, now, ARGV[2])
+    local value = ARGV[10] .. (got[1] + 1)
+    if redis.call('SET', KEYS[i + 3], value, 'NX', 'PX', ARGV[2]) then
+      slot_note(KEYS[2], i, value, now, ARGV[2])
       got[#got + 1] = i
       got[1] = got[1] + 1
       if got[1] >= want then

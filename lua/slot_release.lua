@@ -9,11 +9,12 @@
 -- ARGV[5] '1' = release-all: also leave every waiter queue named and delete this
 --         process's liveness key and hand-off list
 -- ARGV[6] hand-off lease ms   ARGV[7] stall gap ms
--- ARGV[8..] for each group: pool name, prefix of its slot keys, count c, then the c
---         slot indices
+-- ARGV[8..] for each group: pool name, prefix of its slot keys, count c, then c pairs:
+--         slot index, the value of the lease released (release-all: any value of this
+--         process, `<token>` or `<token>#...`)
 --
--- A slot whose value is not our token (lease lost, maybe someone else's now) is left
--- alone. A hand-off sets the slot to the waiter's token with a SHORT lease (ARGV[6]),
+-- A slot whose value is not the lease's (lease lost, maybe someone else's now, or a
+-- newer lease of this same process) is left alone. A hand-off sets the slot to the waiter's token with a SHORT lease (ARGV[6]),
 -- which the waiter extends to the full ttl when it picks the slot up: a waiter that
 -- died after its last liveness refresh costs the fleet the slot only that long. It
 -- removes the waiter from the queue (it re-queues at the tail if it still waits: round
@@ -36,10 +37,15 @@ while a <= #ARGV do
     redis.call('ZREM', q, token)
   end
   for _ = 1, c do
-    local key, idx = KEYS[k], ARGV[a]
+    local key, idx, value = KEYS[k], ARGV[a], ARGV[a + 1]
     k = k + 1
-    a = a + 1
-    if redis.call('GET', key) ~= token then
+    a = a + 2
+    local cur = redis.call('GET', key)
+    local mine = cur == value
+    if ARGV[5] == '1' then
+      mine = cur == token or (cur and string.sub(cur, 1, #token + 1) == token .. '#')
+    end
+    if not mine then
       not_ours = not_ours + 1
       each[#each + 1] = 0
     else

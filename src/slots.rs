@@ -202,6 +202,8 @@ impl PoolState {
 struct Held {
     pool: String,
     idx: u32,
+    /// The slot key's value while this lease holds it (see [`Lease`]).
+    value: String,
     lost: Arc<AtomicBool>,
 }
 
@@ -225,6 +227,10 @@ struct Inner {
     /// that arrive while a release script is on the wire go together in the next one
     /// (one round trip for many jobs when calls end close together).
     releases: Mutex<(Vec<PendingRelease>, bool)>,
+    /// Source of the per-lease part of slot values.
+    next_nonce: AtomicU64,
+    /// Fault injection for tests: how long the releaser waits before each release script.
+    release_delay: Mutex<Duration>,
 }
 
 /// One slot waiting to be released by the batching releaser.
@@ -232,6 +238,8 @@ struct PendingRelease {
     pool: String,
     idx: u32,
     key: String,
+    /// The lease's value: the script releases the slot only if it still holds it.
+    value: String,
     done: oneshot::Sender<Result<bool, String>>,
 }
 
@@ -248,6 +256,11 @@ pub struct Lease {
     pool: String,
     idx: u32,
     key: String,
+    /// The slot key's value while this lease holds it: `<process token>#<nonce>`, one
+    /// per lease (a slot handed to this process holds the bare token until its pick-up
+    /// stamps the lease's own value). Renewal and release check it, so a late release
+    /// of an old lease of this process can never delete a newer lease of the same slot.
+    value: String,
     lost: Arc<AtomicBool>,
     done: bool,
 }
@@ -259,8 +272,8 @@ impl std::fmt::Debug for Lease {
 }
 
 enum Try {
-    /// Slots taken (at least one, at most the number asked for).
-    Got(Vec<u32>),
+    /// Slots taken (at least one, at most the number asked for), with their values.
+    Got(Vec<(u32, String)>),
     Wait(Duration),
 }
 
@@ -337,6 +350,8 @@ impl Slots {
                 release_script: crate::scripts::SLOT_RELEASE.clone(),
                 renew_script: crate::scripts::SLOT_RENEW.clone(),
                 releases: Mutex::new((Vec::new(), false)),
+                next_nonce: AtomicU64::new(1),
+                release_delay: Mutex::new(Duration::ZERO),
             }),
         })
     }
@@ -344,6 +359,13 @@ impl Slots {
     /// This process's holder token (the value of the slot keys it holds).
     pub fn token(&self) -> &str {
         &self.inner.token
+    }
+
+    /// Fault injection for tests: every release script waits `d` first (as on a
+    /// connection that stalled), after its lease has left the held table.
+    #[doc(hidden)]
+    pub fn delay_releases_for_tests(&self, d: Duration) {
+        *lock(&self.inner.release_delay) = d;
     }
 
     /// N of `pool` as recorded fleet-wide.
@@ -373,7 +395,10 @@ impl Slots {
             return Ok(None);
         }
         match try_take(&self.inner, ps, false, 1).await? {
-            Try::Got(i) => Ok(Some(make_lease(&self.inner, ps, i[0]))),
+            Try::Got(mut i) => {
+                let (idx, value) = i.swap_remove(0);
+                Ok(Some(make_lease(&self.inner, ps, idx, value)))
+            }
             Try::Wait(_) => Ok(None),
         }
     }
@@ -404,8 +429,9 @@ impl Slots {
             };
             match tried {
                 None => {}
-                Some(Ok(Try::Got(i))) => {
-                    let lease = make_lease(inner, ps, i[0]);
+                Some(Ok(Try::Got(mut i))) => {
+                    let (idx, value) = i.swap_remove(0);
+                    let lease = make_lease(inner, ps, idx, value);
                     if !remove_waiter(ps, id) {
                         // A hand-off reached our entry meanwhile; whatever it sends us is
                         // dropped with `rx` and so released.
@@ -475,7 +501,8 @@ impl Slots {
             inv.arg(&ps.name).arg(&ps.slot_prefix).arg(ps.size);
             for (i, k) in ps.slot_keys.iter().enumerate() {
                 inv.key(k);
-                inv.arg(i);
+                // release-all matches any value of this process
+                inv.arg(i).arg(&inner.token);
             }
         }
         let mut conn = inner.conn.get().await?;
@@ -576,6 +603,8 @@ async fn try_take(
         .arg(&ps.slot_prefix)
         .arg(ps.hint.load(Ordering::Relaxed))
         .arg(want);
+    let prefix = format!("{}.", lease_value(inner));
+    inv.arg(&prefix);
     let mut conn = inner.conn.get().await?;
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
     let (taken, wait) = (
@@ -584,12 +613,14 @@ async fn try_take(
     );
     Ok(if taken > 0 {
         let size = ps.slot_keys.len() as i64;
-        let got: Vec<u32> = reply
+        // The j-th slot taken (from 1) holds `prefix` .. j (see lua/slot_acquire.lua).
+        let got: Vec<(u32, String)> = reply
             .get(2..)
             .unwrap_or(&[])
             .iter()
-            .filter(|&&i| (0..size).contains(&i))
-            .map(|&i| i as u32)
+            .enumerate()
+            .filter(|(_, i)| (0..size).contains(*i))
+            .map(|(j, &i)| (i as u32, format!("{prefix}{}", j + 1)))
             .collect();
         if got.is_empty() {
             Try::Wait(Duration::from_millis(1))
@@ -601,7 +632,7 @@ async fn try_take(
     })
 }
 
-fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32) -> Lease {
+fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32, value: String) -> Lease {
     let key = ps.slot_keys[idx as usize].clone();
     let lost = Arc::new(AtomicBool::new(false));
     let prev = lock(&inner.held).insert(
@@ -609,6 +640,7 @@ fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32) -> Lease {
         Held {
             pool: ps.name.clone(),
             idx,
+            value: value.clone(),
             lost: lost.clone(),
         },
     );
@@ -624,9 +656,19 @@ fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32) -> Lease {
         pool: ps.name.clone(),
         idx,
         key,
+        value,
         lost,
         done: false,
     }
+}
+
+/// A fresh value for a lease of this process: `<token>#<nonce>`.
+fn lease_value(inner: &Inner) -> String {
+    format!(
+        "{}#{}",
+        inner.token,
+        inner.next_nonce.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 fn lease_lost(pool: &str, idx: u32, why: &str) {
@@ -651,7 +693,15 @@ impl Lease {
     /// Token-checked release; hands the slot to a waiter if one is queued.
     pub async fn release(mut self) -> Result<(), SlotError> {
         self.done = true;
-        release_lease(&self.inner, &self.pool, self.idx, &self.key, &self.lost).await
+        release_lease(
+            &self.inner,
+            &self.pool,
+            self.idx,
+            &self.key,
+            &self.value,
+            &self.lost,
+        )
+        .await
     }
 }
 
@@ -668,9 +718,10 @@ impl Drop for Lease {
             self.key.clone(),
             self.lost.clone(),
         );
+        let value = self.value.clone();
         if let Ok(h) = tokio::runtime::Handle::try_current() {
             h.spawn(async move {
-                if let Err(e) = release_lease(&inner, &pool, idx, &key, &lost).await {
+                if let Err(e) = release_lease(&inner, &pool, idx, &key, &value, &lost).await {
                     tracing::warn!(error = %e, slot = %key, "background slot release failed; the TTL frees it");
                 }
             });
@@ -683,6 +734,7 @@ async fn release_lease(
     pool: &str,
     idx: u32,
     key: &str,
+    value: &str,
     lost: &Arc<AtomicBool>,
 ) -> Result<(), SlotError> {
     {
@@ -705,6 +757,7 @@ async fn release_lease(
             pool: pool.to_string(),
             idx,
             key: key.to_string(),
+            value: value.to_string(),
             done: tx,
         });
         !std::mem::replace(&mut q.1, true)
@@ -751,6 +804,10 @@ async fn run_releases(inner: Arc<Inner>) {
             }
             std::mem::take(&mut q.0)
         };
+        let delay = *lock(&inner.release_delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let outcome = release_batch(&inner, &batch).await;
         for (i, p) in batch.into_iter().enumerate() {
             let r = match &outcome {
@@ -788,7 +845,7 @@ async fn release_batch(inner: &Inner, batch: &[PendingRelease]) -> Result<Vec<i6
         inv.arg(pool).arg(&ps.slot_prefix).arg(end - start);
         for &j in &order[start..end] {
             inv.key(&batch[j].key);
-            inv.arg(batch[j].idx);
+            inv.arg(batch[j].idx).arg(&batch[j].value);
         }
         start = end;
     }
@@ -900,17 +957,20 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             }
             if !ps.has_waiters() {
                 // Nobody here wants it any more: release (hand on) at once.
-                drop(make_lease(&inner, ps, idx));
+                // (A handed slot holds the bare process token.)
+                drop(make_lease(&inner, ps, idx, inner.token.clone()));
                 continue;
             }
             // Pick up: the hand-off came with a short lease; make it a full one before
             // any call runs on it.
-            match renew(&inner, &[(ps, idx)], &[])
+            // The pick-up also stamps the lease's own value over the bare token.
+            let value = lease_value(&inner);
+            match renew(&inner, &[(ps, idx, &inner.token, &value)], &[])
                 .await
                 .map(|r| r.first().copied())
             {
                 Ok(Some(Renewed::Extended | Renewed::Retaken)) => {
-                    deliver(ps, make_lease(&inner, ps, idx));
+                    deliver(ps, make_lease(&inner, ps, idx, value));
                 }
                 Ok(_) => {
                     tracing::debug!(pool = %ps.name, slot = idx, "handed slot taken by another before pick-up");
@@ -963,7 +1023,7 @@ async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
             Ok(Try::Got(taken)) => {
                 *lock(&ps.next_check) = Instant::now();
                 for i in taken {
-                    deliver(ps, make_lease(inner, ps, i));
+                    deliver(ps, make_lease(inner, ps, i.0, i.1));
                 }
                 if !ps.has_waiters() {
                     return;
@@ -997,9 +1057,10 @@ enum Renewed {
 /// One renew script for `items` (pool, slot index), which also ticks the lease clock of
 /// every pool in `tick_pools`. One answer per item, in order. Used for renewal and for
 /// the pick-up of a handed slot alike.
+/// `items`: (pool, slot, the value the lease holds now, the value it is to hold).
 async fn renew(
     inner: &Inner,
-    items: &[(&PoolState, u32)],
+    items: &[(&PoolState, u32, &str, &str)],
     tick_pools: &[&PoolState],
 ) -> Result<Vec<Renewed>, SlotError> {
     let mut inv = inner.renew_script.prepare_invoke();
@@ -1007,24 +1068,24 @@ async fn renew(
         .arg(inner.ttl.as_millis() as u64)
         .arg(stall_gap(inner.ttl).as_millis() as u64);
     let mut groups: Vec<&PoolState> = tick_pools.to_vec();
-    for (ps, _) in items {
+    for (ps, ..) in items {
         if !groups.iter().any(|g| g.name == ps.name) {
             groups.push(ps);
         }
     }
     let mut order = Vec::with_capacity(items.len());
     for g in &groups {
-        let mine: Vec<(usize, u32)> = items
+        let mine: Vec<(usize, u32, &str, &str)> = items
             .iter()
             .enumerate()
-            .filter(|(_, (ps, _))| ps.name == g.name)
-            .map(|(n, (_, i))| (n, *i))
+            .filter(|(_, (ps, ..))| ps.name == g.name)
+            .map(|(n, (_, i, have, want))| (n, *i, *have, *want))
             .collect();
         inv.key(&g.lease_key);
         inv.arg(&g.slot_prefix).arg(mine.len());
-        for (n, i) in mine {
+        for (n, i, have, want) in mine {
             inv.key(&g.slot_keys[i as usize]);
-            inv.arg(i);
+            inv.arg(i).arg(have).arg(want);
             order.push(n);
         }
     }
@@ -1056,20 +1117,28 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
             _ = tick.tick() => {}
             _ = cancel.cancelled() => return,
         }
-        let due: Vec<(String, Arc<AtomicBool>, String, u32)> = lock(&inner.held)
+        let due: Vec<(String, Arc<AtomicBool>, String, u32, String)> = lock(&inner.held)
             .iter()
-            .map(|(k, h)| (k.clone(), h.lost.clone(), h.pool.clone(), h.idx))
+            .map(|(k, h)| {
+                let (lost, pool) = (h.lost.clone(), h.pool.clone());
+                (k.clone(), lost, pool, h.idx, h.value.clone())
+            })
             .collect();
-        let items: Vec<(&PoolState, u32)> = due
+        let items: Vec<(&PoolState, u32, &str, &str)> = due
             .iter()
-            .filter_map(|(_, _, pool, idx)| inner.pools.get(pool).map(|ps| (ps, *idx)))
+            .filter_map(|(_, _, pool, idx, v)| {
+                inner
+                    .pools
+                    .get(pool)
+                    .map(|ps| (ps, *idx, v.as_str(), v.as_str()))
+            })
             .collect();
         if items.len() != due.len() {
             continue; // unreachable: leases are only made for known pools
         }
         match renew(&inner, &items, &all).await {
             Ok(flags) => {
-                for ((key, lost, pool, idx), r) in due.iter().zip(flags) {
+                for ((key, lost, pool, idx, _), r) in due.iter().zip(flags) {
                     match r {
                         Renewed::Extended => {}
                         Renewed::Retaken => {

@@ -344,7 +344,9 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
             let holder: Option<String> = c.get(&k).await?;
             if let Some(h) = holder {
                 let ttl: i64 = c.pttl(&k).await?;
-                held.push(json!({"slot": i, "holder": h, "ttl_ms": ttl}));
+                // The value is `<process token>#<lease nonce>`: show the process.
+                let process = h.split('#').next().unwrap_or(&h).to_string();
+                held.push(json!({"slot": i, "holder": process, "ttl_ms": ttl}));
             }
         }
         let waiting: u64 = c.zcard(slot_keys.slot_queue(name)).await.unwrap_or(0);

@@ -19,8 +19,17 @@ type Conn = redis::aio::MultiplexedConnection;
 
 const SLOT0: &str = "{llm}:slot:default:0";
 
-/// The holder token of a slot key now; a Redis error fails the test (never "free").
+/// The holder (process token) of a slot key now; a Redis error fails the test (never
+/// "free").
 async fn holder(conn: &mut Conn, key: &str) -> Option<String> {
+    slot_value(conn, key)
+        .await
+        .map(|v| v.split('#').next().unwrap_or(&v).to_string())
+}
+
+/// The whole value of a slot key now (`<process token>#<lease nonce>`, or the bare token
+/// of a hand-off not yet picked up).
+async fn slot_value(conn: &mut Conn, key: &str) -> Option<String> {
     tokio::time::timeout(Duration::from_secs(5), conn.get::<_, Option<String>>(key))
         .await
         .expect("GET in time")
@@ -311,7 +320,8 @@ async fn long_call_keeps_its_slot_key_through_renewals() -> anyhow::Result<()> {
     .await;
     assert!(started, "a call starts\n{}", logs_tail(&[&a, &b], 30));
     let first_seen = Instant::now();
-    let token = holder(&mut conn, SLOT0).await;
+    // The whole value: the same lease (not only the same process) throughout.
+    let token = slot_value(&mut conn, SLOT0).await;
     let Some(token) = token else {
         panic!("the running call's slot key exists");
     };
@@ -326,7 +336,7 @@ async fn long_call_keeps_its_slot_key_through_renewals() -> anyhow::Result<()> {
     let mut polls = 0u32;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let now = holder(&mut conn, SLOT0).await;
+        let now = slot_value(&mut conn, SLOT0).await;
         if answered(&sim) > 0 {
             break;
         }
@@ -480,5 +490,44 @@ async fn slot_renewal_and_release_work_while_redis_is_out_of_memory() -> anyhow:
         "no slot key holds A's token after it exited: {ours:?}\n{}",
         a.log()
     );
+    Ok(())
+}
+
+/// Review hole (issue 9, round 2): the slot value is per lease, not per process. A
+/// release of an old lease of this process that runs late (after the lease lapsed and
+/// the process took the same slot again for another call) must not delete the newer
+/// lease. Before: the release script checked only the process token and deleted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_release_of_an_old_lease_never_deletes_a_newer_lease_of_the_same_process()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 1000;
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let a = slots_for(&tc, "pa", &cancel).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let l1 = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    // L1's release leaves the held table (no more renewals) but reaches Redis only
+    // after 2.5 s, as when the connection it went out on stalled.
+    a.delay_releases_for_tests(Duration::from_millis(2500));
+    let late = tokio::spawn(async move { l1.release().await });
+    // L1's key lapses within a TTL; the process takes the same (only) slot again.
+    let l2 = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    assert_eq!(l2.index(), 0);
+    let l2_value = slot_value(&mut conn, SLOT0).await;
+    assert!(l2_value.is_some(), "L2 holds the slot");
+    tokio::time::timeout(t, late).await???;
+    assert_eq!(
+        slot_value(&mut conn, SLOT0).await,
+        l2_value,
+        "the late release of L1 deleted or changed L2's slot key"
+    );
+    a.delay_releases_for_tests(Duration::ZERO);
+    l2.release().await?;
+    assert!(holder(&mut conn, SLOT0).await.is_none(), "released");
+    cancel.cancel();
     Ok(())
 }
