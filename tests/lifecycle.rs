@@ -435,14 +435,7 @@ async fn handed_back_entries_keep_every_field_and_the_delivery_count() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reclaimer_removes_idle_empty_consumers_only() -> anyhow::Result<()> {
     let mut bed = Bed::new(latency(10), |_| {}).await?;
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(&mut bed.conn)
-        .await?;
+    create_group(&mut bed.conn).await;
     let _: i64 = redis::cmd("XGROUP")
         .arg("CREATECONSUMER")
         .arg("{llm}:jobs")
@@ -451,17 +444,7 @@ async fn reclaimer_removes_idle_empty_consumers_only() -> anyhow::Result<()> {
         .query_async(&mut bed.conn)
         .await?;
     push(&mut bed.conn, "llm", &[job("held", "hi")]).await;
-    let _: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg("workers")
-        .arg("ghost-busy")
-        .arg("COUNT")
-        .arg(1)
-        .arg("STREAMS")
-        .arg("{llm}:jobs")
-        .arg(">")
-        .query_async(&mut bed.conn)
-        .await?;
+    read_as(&mut bed.conn, "ghost-busy").await;
     let mut w = WorkerProc::spawn(
         &bed.cfg,
         "w1",

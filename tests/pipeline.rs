@@ -621,32 +621,13 @@ async fn entry_with_a_non_utf8_field_name_is_dead_lettered_and_its_batch_runs() 
 async fn pending_entry_with_a_non_utf8_field_name_is_reclaimed_and_dead_lettered() {
     let (redis, sim, dir) = bad_name_bench().await;
     let mut conn = redis.conn().await;
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(&mut conn)
-        .await
-        .expect("xgroup");
+    create_group(&mut conn).await;
     let good_before = push(&mut conn, "llm", &jobs("before", 2)).await;
     let original = bad_name_entry("bad-name");
     let bad = push_bad_name(&mut conn, &original).await;
     let good_after = push(&mut conn, "llm", &jobs("after", 2)).await;
     // A consumer that died holding all five.
-    let _: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg("workers")
-        .arg("ghost")
-        .arg("COUNT")
-        .arg(10)
-        .arg("STREAMS")
-        .arg("{llm}:jobs")
-        .arg(">")
-        .query_async(&mut conn)
-        .await
-        .expect("xreadgroup");
+    read_as(&mut conn, "ghost").await;
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 5);
     let w = WorkerProc::spawn(
         &dir.path().join("w.toml"),

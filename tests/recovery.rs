@@ -884,27 +884,10 @@ async fn job_deleted_while_pending_is_acknowledged_and_logged() -> anyhow::Resul
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
-    let _: () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg("{llm}:jobs")
-        .arg("workers")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(&mut conn)
-        .await?;
+    create_group(&mut conn).await;
     let ids = push(&mut conn, "llm", &[job("ghost-1", "lost")]).await;
     // A consumer that died holding it.
-    let _: redis::Value = redis::cmd("XREADGROUP")
-        .arg("GROUP")
-        .arg("workers")
-        .arg("ghost")
-        .arg("COUNT")
-        .arg(1)
-        .arg("STREAMS")
-        .arg("{llm}:jobs")
-        .arg(">")
-        .query_async(&mut conn)
-        .await?;
+    read_as(&mut conn, "ghost").await;
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 1);
     let _: i64 = redis::cmd("XDEL")
         .arg("{llm}:jobs")

@@ -200,51 +200,51 @@ impl Worker {
         // entry, `active` one task per entry in this process): no marker, no round trip.
         let mut backoff = Backoff::redis();
         let mut busy_since = None;
-        // (Every arm below leaves the loop but the waiting ones.)
-        #[allow(clippy::while_immutable_condition)]
-        while job.keyed {
-            match self.queue.claim_id(&job.id, &d.entry_id).await {
-                Ok(IdClaim::Claimed) => {
-                    if !self.regain_permit(&d.entry_id).await {
-                        return None;
+        if job.keyed {
+            loop {
+                match self.queue.claim_id(&job.id, &d.entry_id).await {
+                    Ok(IdClaim::Claimed) => {
+                        if !self.regain_permit(&d.entry_id).await {
+                            return None;
+                        }
+                        break;
                     }
-                    break;
-                }
-                Ok(IdClaim::Done { result_id, status }) => {
-                    tracing::info!(entry = %d.entry_id, job = %job.id, original = %result_id, "duplicate job id; acknowledged without a model call");
-                    metrics::counter!("llm_worker_jobs_duplicate_total").increment(1);
-                    let dup = self.duplicate(d, &job, &result_id, &status, started).await;
-                    return Some(self.charge(dup, &lock(spent)));
-                }
-                Ok(IdClaim::Busy { other_entry }) => {
-                    tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
-                    if !self.wait_for_busy_id(&d.entry_id, &mut busy_since).await {
-                        return None;
+                    Ok(IdClaim::Done { result_id, status }) => {
+                        tracing::info!(entry = %d.entry_id, job = %job.id, original = %result_id, "duplicate job id; acknowledged without a model call");
+                        metrics::counter!("llm_worker_jobs_duplicate_total").increment(1);
+                        let dup = self.duplicate(d, &job, &result_id, &status, started).await;
+                        return Some(self.charge(dup, &lock(spent)));
                     }
-                }
-                Err(e) if !e.heals() => {
-                    // A marker key of the wrong type: retrying cannot help, and calling a
-                    // model without the check could pay for the id twice.
-                    tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "idempotency check impossible; job failed without a model call (fix the key named)");
-                    let reason = format!("idempotency check impossible, no model called: {e}");
-                    return Some(self.reject(
-                        d,
-                        Some(&job.id),
-                        job.keyed,
-                        ResultStatus::Failed,
-                        &reason,
-                        started,
-                        &lock(spent),
-                    ));
-                }
-                Err(e) => {
-                    // One line per job, not per retry: the reader logs the outage itself.
-                    if backoff.failures() == 0 {
-                        tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying until Redis answers");
+                    Ok(IdClaim::Busy { other_entry }) => {
+                        tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
+                        if !self.wait_for_busy_id(&d.entry_id, &mut busy_since).await {
+                            return None;
+                        }
                     }
-                    backoff.sleep(&self.draining).await;
-                    if self.draining.is_cancelled() {
-                        return None;
+                    Err(e) if !e.heals() => {
+                        // A marker key of the wrong type: retrying cannot help, and calling a
+                        // model without the check could pay for the id twice.
+                        tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "idempotency check impossible; job failed without a model call (fix the key named)");
+                        let reason = format!("idempotency check impossible, no model called: {e}");
+                        return Some(self.reject(
+                            d,
+                            Some(&job.id),
+                            job.keyed,
+                            ResultStatus::Failed,
+                            &reason,
+                            started,
+                            &lock(spent),
+                        ));
+                    }
+                    Err(e) => {
+                        // One line per job, not per retry: the reader logs the outage itself.
+                        if backoff.failures() == 0 {
+                            tracing::warn!(entry = %d.entry_id, error = %e, "idempotency check failed; retrying until Redis answers");
+                        }
+                        backoff.sleep(&self.draining).await;
+                        if self.draining.is_cancelled() {
+                            return None;
+                        }
                     }
                 }
             }
