@@ -125,10 +125,18 @@ fn main() -> ExitCode {
     } else {
         None
     };
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // `worker.threads`: 1 = a current-thread runtime, 0 = one worker thread per core.
+    // The simulated provider and the demo keep the multi-threaded default.
+    let mut b = match cfg.as_ref().map(|c| c.worker.threads) {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) if n > 1 => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let rt = match b.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("cannot start the async runtime: {e}");

@@ -188,9 +188,14 @@ struct PoolState {
 impl PoolState {
     /// True if a live local waiter exists (dropping the ones whose acquire was abandoned).
     fn has_waiters(&self) -> bool {
+        self.live_waiters() > 0
+    }
+
+    /// How many local waiters still wait (dropping the ones whose acquire was abandoned).
+    fn live_waiters(&self) -> usize {
         let mut w = lock(&self.waiters);
         w.retain(|x| !x.tx.is_closed());
-        !w.is_empty()
+        w.len()
     }
 
     /// True while local waiter `id` has not been served (or abandoned).
@@ -444,12 +449,7 @@ impl Slots {
                         // left the fleet queue instead. Queue again (or take a free slot
                         // for them) now, not when the driver's tick next fires (up to 1 s
                         // later, while releases elsewhere skip us).
-                        let (inner, name) = (inner.clone(), ps.name.clone());
-                        tokio::spawn(async move {
-                            if let Some(ps) = inner.pools.get(&name) {
-                                retry_pool(&inner, ps).await;
-                            }
-                        });
+                        spawn_retry(inner, ps);
                     }
                     observe_wait(pool, started);
                     return Ok(lease);
@@ -498,7 +498,12 @@ impl Slots {
         let mut inv = release_invoke(inner, true);
         for ps in inner.pools.values() {
             inv.key(&ps.queue_key).key(&ps.lease_key);
-            inv.arg(&ps.name).arg(&ps.slot_prefix).arg(ps.size);
+            // nothing kept: no local waiter is served any more
+            inv.arg(&ps.name)
+                .arg(&ps.slot_prefix)
+                .arg(ps.size)
+                .arg(0)
+                .arg("");
             for (i, k) in ps.slot_keys.iter().enumerate() {
                 inv.key(k);
                 // release-all matches any value of this process
@@ -578,7 +583,8 @@ fn release_invoke(inner: &Inner, all: bool) -> redis::ScriptInvocation<'_> {
         .arg(inner.keys.wake_prefix())
         .arg(if all { "1" } else { "0" })
         .arg(inner.handoff.as_millis() as u64)
-        .arg(stall_gap(inner.ttl).as_millis() as u64);
+        .arg(stall_gap(inner.ttl).as_millis() as u64)
+        .arg(WAITER_ALIVE_MS);
     inv
 }
 
@@ -825,11 +831,23 @@ async fn run_releases(inner: Arc<Inner>) {
 }
 
 /// One release script for `batch` (grouped by pool); per slot, in batch order: 0 = not
-/// ours, 1 = released, 2 = handed to a waiter.
-async fn release_batch(inner: &Inner, batch: &[PendingRelease]) -> Result<Vec<i64>, SlotError> {
+/// ours, 1 = released, 2 = handed to a waiter, 3 = kept for a local waiter (and given
+/// to it before this returns).
+///
+/// For a pool with local waiters the script runs under the pool's `queue_lock` (the
+/// keep may queue this process again, which only a step under that lock that has seen
+/// a waiter here may do; see `leave_if_idle`), and is told how many waiters there are:
+/// a slot whose next fleet-wide taker would be this process is kept rather than sent
+/// round through Redis (hand-off list, BLPOP, pick-up).
+async fn release_batch(
+    inner: &Arc<Inner>,
+    batch: &[PendingRelease],
+) -> Result<Vec<i64>, SlotError> {
     let mut order: Vec<usize> = (0..batch.len()).collect();
     order.sort_by(|&a, &b| batch[a].pool.cmp(&batch[b].pool));
     let mut inv = release_invoke(inner, false);
+    // Per pool group: the pool, the queue-lock guard if it has waiters, the keep prefix.
+    let mut groups = Vec::new();
     let mut start = 0;
     while start < order.len() {
         let pool = &batch[order[start]].pool;
@@ -841,12 +859,29 @@ async fn release_batch(inner: &Inner, batch: &[PendingRelease]) -> Result<Vec<i6
             .pools
             .get(pool)
             .ok_or_else(|| SlotError::UnknownPool(pool.clone()))?;
+        let (guard, want) = if ps.has_waiters() {
+            let g = ps.queue_lock.lock().await;
+            let w = ps.live_waiters();
+            (Some(g), w)
+        } else {
+            (None, 0)
+        };
+        let keep_prefix = if want > 0 {
+            format!("{}.", lease_value(inner))
+        } else {
+            String::new()
+        };
         inv.key(&ps.queue_key).key(&ps.lease_key);
-        inv.arg(pool).arg(&ps.slot_prefix).arg(end - start);
+        inv.arg(pool)
+            .arg(&ps.slot_prefix)
+            .arg(end - start)
+            .arg(want)
+            .arg(&keep_prefix);
         for &j in &order[start..end] {
             inv.key(&batch[j].key);
             inv.arg(batch[j].idx).arg(&batch[j].value);
         }
+        groups.push((ps, guard, want, keep_prefix, start, end));
         start = end;
     }
     let mut conn = inner.conn.get().await?;
@@ -857,6 +892,25 @@ async fn release_batch(inner: &Inner, batch: &[PendingRelease]) -> Result<Vec<i6
     let mut status = vec![0; batch.len()];
     for (k, &j) in order.iter().enumerate() {
         status[j] = per_slot.get(k).copied().unwrap_or(0);
+    }
+    for (ps, guard, want, keep_prefix, start, end) in groups {
+        // The j-th slot kept in a group holds `keep_prefix` .. j (lua/slot_release.lua).
+        let mut kept = 0;
+        for &j in &order[start..end] {
+            if status[j] == 3 {
+                kept += 1;
+                let value = format!("{keep_prefix}{kept}");
+                deliver(ps, make_lease(inner, ps, batch[j].idx, value));
+            }
+        }
+        drop(guard);
+        // Waiters that came while the script ran were not counted in `want`: a waiter
+        // that is not its pool's first relies on the driver, which (no hand-off coming
+        // to wake it) would only try again at its next tick, up to 100 ms later at
+        // Redis's default hz, while other slots of this batch were freed. Try for them now.
+        if kept > 0 && ps.live_waiters() > want - kept {
+            spawn_retry(inner, ps);
+        }
     }
     Ok(status)
 }
@@ -993,6 +1047,16 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             }
         }
     }
+}
+
+/// [`retry_pool`] in a task of its own (it waits for the pool's queue lock).
+fn spawn_retry(inner: &Arc<Inner>, ps: &PoolState) {
+    let (inner, name) = (inner.clone(), ps.name.clone());
+    tokio::spawn(async move {
+        if let Some(ps) = inner.pools.get(&name) {
+            retry_pool(&inner, ps).await;
+        }
+    });
 }
 
 /// Takes free slots for the local waiters until none is free (this process is then queued

@@ -338,6 +338,22 @@ async fn sigstop_past_ttl_then_sigcont_detects_lost_lease() -> anyhow::Result<()
     Ok(())
 }
 
+/// Waits (at most 5 s) until the process with holder `token` is in the default pool's
+/// fleet queue.
+async fn wait_queued(conn: &Conn, token: &str) -> bool {
+    wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        let tok = token.to_string();
+        async move {
+            c.zscore::<_, _, Option<f64>>("{llm}:slotq:default", tok)
+                .await
+                .unwrap_or_else(|e| panic!("ZSCORE slotq: {e}"))
+                .is_some()
+        }
+    })
+    .await
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i]
@@ -366,17 +382,7 @@ async fn handoff_reaches_a_waiter_in_another_process_at_once() -> anyhow::Result
             let l = bb.acquire("default", Duration::from_secs(5)).await;
             (l, Instant::now())
         });
-        let queued = wait_for(Duration::from_secs(5), || {
-            let mut c = conn.clone();
-            let tok = b.token().to_string();
-            async move {
-                c.zscore::<_, _, Option<f64>>("{llm}:slotq:default", tok)
-                    .await
-                    .unwrap_or_else(|e| panic!("ZSCORE slotq: {e}"))
-                    .is_some()
-            }
-        })
-        .await;
+        let queued = wait_queued(&conn, b.token()).await;
         assert!(queued, "round {round}: B queued");
         let lease = held.pop().expect("A holds one");
         let released = Instant::now();
@@ -577,6 +583,106 @@ async fn busy_pool_sends_work_to_a_fallback_model_with_a_free_slot() -> anyhow::
     let last = &all.last().expect("3 results").1;
     assert_eq!(last["model"], "m1", "{last:?}");
     stop_clean(&mut w, Duration::from_secs(10)).await;
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// Calls of `cmd` Redis has run so far (INFO commandstats counts commands inside
+/// scripts too).
+async fn calls_of(conn: &mut Conn, cmd: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
+    let key = format!("cmdstat_{cmd}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A slot released while only this process waits for the pool is kept for its local
+/// waiter (a fresh lease, no hand-off list, no BLPOP, no pick-up), and once another
+/// process is queued ahead, the next release goes to it: keeping never jumps the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() -> anyhow::Result<()>
+{
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 2;
+    let cancel = CancellationToken::new();
+    let a = slots_for(&tc, "pa", &cancel).await;
+    let b = slots_for(&tc, "pb", &cancel).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let mut held = vec![];
+    for _ in 0..2 {
+        held.push(tokio::time::timeout(t, a.acquire("default", t)).await??);
+    }
+    // Ten rounds with a local waiter only: every release is kept.
+    let rpush_before = calls_of(&mut conn, "rpush").await;
+    let blpop_before = calls_of(&mut conn, "blpop").await;
+    for round in 0..10 {
+        let aa = a.clone();
+        let waiter =
+            tokio::spawn(async move { aa.acquire("default", Duration::from_secs(5)).await });
+        let queued = wait_queued(&conn, a.token()).await;
+        assert!(queued, "round {round}: A queued for its waiter");
+        let old = held.remove(0);
+        let idx = old.index();
+        let old_value: Option<String> = conn.get(format!("{{llm}}:slot:default:{idx}")).await?;
+        old.release().await?;
+        let got = tokio::time::timeout(t, waiter).await???;
+        assert_eq!(got.index(), idx, "round {round}: the released slot itself");
+        let value: Option<String> = conn.get(format!("{{llm}}:slot:default:{idx}")).await?;
+        let value = value.expect("the kept slot is held");
+        assert!(
+            value.starts_with(&format!("{}#", a.token())) && Some(&value) != old_value.as_ref(),
+            "round {round}: a fresh lease of A, not the old one nor a bare hand-off: {value:?} (was {old_value:?})"
+        );
+        let pttl: i64 = conn.pttl(format!("{{llm}}:slot:default:{idx}")).await?;
+        assert!(
+            pttl > 20_000,
+            "round {round}: a full lease, not a hand-off lease: {pttl} ms"
+        );
+        let queued: Option<f64> = conn.zscore("{llm}:slotq:default", a.token()).await?;
+        assert!(
+            queued.is_none(),
+            "round {round}: nobody of A waits any more, A left the queue"
+        );
+        held.push(got);
+    }
+    assert_eq!(
+        calls_of(&mut conn, "rpush").await - rpush_before,
+        0,
+        "no hand-off through Redis to ourselves"
+    );
+    let blpops = calls_of(&mut conn, "blpop").await - blpop_before;
+    assert!(blpops <= 2, "no BLPOP round trip per kept slot: {blpops}");
+
+    // B queues first, then A: the next release goes to B, the one after to A.
+    let bb = b.clone();
+    let wb = tokio::spawn(async move { bb.acquire("default", Duration::from_secs(5)).await });
+    let b_queued = wait_queued(&conn, b.token()).await;
+    assert!(b_queued, "B queued");
+    let aa = a.clone();
+    let wa = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(5)).await });
+    let a_queued = wait_queued(&conn, a.token()).await;
+    assert!(a_queued, "A queued behind B");
+    held.remove(0).release().await?;
+    let for_b = tokio::time::timeout(t, wb).await???;
+    assert!(!wa.is_finished(), "A's waiter did not jump B");
+    held.remove(0).release().await?;
+    let for_a = tokio::time::timeout(t, wa).await???;
+    drop((for_a, for_b));
+    for s in [&a, &b] {
+        tokio::time::timeout(t, s.release_all()).await??;
+    }
+    cancel.cancel();
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }

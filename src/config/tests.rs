@@ -736,3 +736,15 @@ fn concurrency_absent_is_every_pools_n_plus_an_eighth_read_ahead() {
     assert_eq!(c.worker.concurrency(), 16);
     assert!(c.redacted_toml().contains("concurrency = 16\n"));
 }
+
+#[test]
+fn worker_threads_defaults_to_one_and_is_bounded() {
+    let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo");
+    assert_eq!(c.worker.threads, 1);
+    let var = "LLM_WORKER__WORKER__THREADS";
+    let c = Config::from_toml_str(DEMO, &env(&[(var, "0")])).expect("one per core");
+    assert_eq!(c.worker.threads, 0);
+    let (key, message) = err_key(Config::from_toml_str(DEMO, &env(&[(var, "5000")])));
+    assert_eq!(key, "worker.threads", "{message}");
+    assert!(message.contains("is 5000"), "{message}");
+}

@@ -56,6 +56,14 @@ impl Config {
                 self.redis.command_timeout_ms.as_millis()
             ),
         )?;
+        require(
+            self.worker.threads <= 1024,
+            "worker.threads",
+            format!(
+                "is {}; use 1 (one thread, the default), 0 (one per core) or a count up to 1024",
+                self.worker.threads
+            ),
+        )?;
         self.validate_pools_providers_models()?;
         self.derive_concurrency();
         self.validate_routes()?;
