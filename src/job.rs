@@ -5,6 +5,7 @@
 //! them for the dead letter); every rejection names the offending field.
 
 use crate::config::Config;
+use rust_decimal::Decimal;
 use serde_json::{Map, Value};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -21,6 +22,13 @@ pub struct Job {
     /// The whole payload object (passed upstream minus the worker's own fields).
     pub body: Map<String, Value>,
     pub metadata: Option<Value>,
+    /// A `[tiers]` name: routing stays inside that tier's models.
+    pub tier: Option<String>,
+    /// Who the job is for (echoed in its result).
+    pub tenant: Option<String>,
+    /// Most this job may cost, over every call (models whose worst case does not fit
+    /// what is left are skipped).
+    pub max_cost_usd: Option<Decimal>,
 }
 
 /// Why a payload is invalid. Each message is one line and says what to fix.
@@ -46,6 +54,8 @@ pub enum JobError {
     UnknownModel(String),
     #[error("unknown route `{}` (not in [routes])", shown(.0))]
     UnknownRoute(String),
+    #[error("unknown tier `{}` (not in [tiers])", shown(.0))]
+    UnknownTier(String),
 }
 
 /// A producer-supplied value as it appears in a reason: control characters and line
@@ -198,6 +208,46 @@ pub fn parse(
     if !cfg.routes.contains_key(&route) {
         return Err(JobError::UnknownRoute(route));
     }
+    let tier = opt_str("tier")?;
+    if let Some(t) = &tier
+        && !cfg.tiers.contains_key(t)
+    {
+        return Err(JobError::UnknownTier(t.clone()));
+    }
+    let tenant = opt_str("tenant")?;
+    if tenant.as_ref().is_some_and(|t| t.len() > 256) {
+        return Err(bad("tenant", "must be at most 256 bytes"));
+    }
+    let max_cost_usd = match body.get("max_cost_usd") {
+        None | Some(Value::Null) => None,
+        Some(v @ (Value::Number(_) | Value::String(_))) => {
+            let text = match v {
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            let d = Decimal::from_str_exact(text.trim())
+                .or_else(|_| Decimal::from_scientific(text.trim()))
+                .map_err(|_| {
+                    bad(
+                        "max_cost_usd",
+                        format!("must be a decimal number of USD, got {}", shown(&text)),
+                    )
+                })?;
+            if d.is_sign_negative() && !d.is_zero() {
+                return Err(bad(
+                    "max_cost_usd",
+                    format!("must not be negative, got {d}"),
+                ));
+            }
+            Some(d)
+        }
+        Some(other) => {
+            return Err(bad(
+                "max_cost_usd",
+                format!("must be a number or a decimal string, got {}", kind(other)),
+            ));
+        }
+    };
     let metadata = body.get("metadata").filter(|m| !m.is_null()).cloned();
     Ok(Job {
         id,
@@ -206,6 +256,9 @@ pub fn parse(
         model,
         body,
         metadata,
+        tier,
+        tenant,
+        max_cost_usd,
     })
 }
 
@@ -236,15 +289,10 @@ pub fn model_order(job: &Job, cfg: &Config) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
     fn cfg() -> Config {
-        Config::from_toml_str(
+        crate::config::test_config(
             r#"
-[pools.default]
-slots = 2
-[providers.p]
-base_url = "http://127.0.0.1:1/v1"
 [models.a]
 provider = "p"
 input_per_mtok = 1
@@ -259,9 +307,7 @@ context_window = 100
 default = ["a", "b"]
 alt = ["b"]
 "#,
-            &HashMap::new(),
         )
-        .unwrap()
     }
 
     fn p(s: &str) -> Result<Job, JobError> {

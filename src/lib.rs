@@ -24,6 +24,7 @@ pub mod job;
 pub mod outcome;
 pub mod provider;
 pub mod queue;
+pub mod quota;
 pub mod router;
 pub mod scripts;
 pub mod server;

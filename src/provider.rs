@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 pub const JOB_HEADER: &str = "x-llm-worker-job";
 
 /// Fields of a job payload that are the worker's own and are not sent upstream.
-pub const WORKER_FIELDS: [&str; 3] = ["route", "id", "metadata"];
+pub const WORKER_FIELDS: [&str; 6] = ["route", "id", "metadata", "tier", "tenant", "max_cost_usd"];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {
@@ -434,7 +434,7 @@ mod tests {
     #[test]
     fn request_body_strips_worker_fields() {
         let payload: Map<String, Value> = serde_json::from_str(
-            r#"{"messages":[],"model":"x","route":"r","id":"1","metadata":{},"top_p":0.5,"stream":true}"#,
+            r#"{"messages":[],"model":"x","route":"r","id":"1","metadata":{},"top_p":0.5,"stream":true,"tier":"free","tenant":"acme","max_cost_usd":"0.01"}"#,
         )
         .unwrap();
         let b = ProviderClient::request_body(&payload, "up");

@@ -60,6 +60,8 @@ pub struct Plan {
     /// Provider -> its models that answered 401/403 for this job.
     denied_models: HashMap<String, HashSet<String>>,
     min_context: u64,
+    /// Candidates ruled out for this job by a per-job rule (its cost cap).
+    excluded: Vec<bool>,
     policy: RetryPolicy,
 }
 
@@ -68,6 +70,7 @@ impl Plan {
     pub fn new(candidates: Vec<Candidate>, policy: RetryPolicy) -> Plan {
         assert!(!candidates.is_empty(), "a plan needs at least one model");
         Plan {
+            excluded: vec![false; candidates.len()],
             candidates,
             current: 0,
             attempts_on_current: 0,
@@ -107,7 +110,32 @@ impl Plan {
 
     fn usable(&self, i: usize) -> bool {
         let c = &self.candidates[i];
-        !self.excluded_providers.contains(&c.provider) && c.context_window >= self.min_context
+        !self.excluded[i]
+            && !self.excluded_providers.contains(&c.provider)
+            && c.context_window >= self.min_context
+    }
+
+    /// Index of the current candidate.
+    pub fn current_index(&self) -> usize {
+        self.current
+    }
+
+    /// Rules candidate `i` out for this job (a per-job rule: e.g. its worst-case cost no
+    /// longer fits the job's cap). Takes effect for the current one through
+    /// [`Plan::ensure_usable`].
+    pub fn exclude(&mut self, i: usize) {
+        if let Some(x) = self.excluded.get_mut(i) {
+            *x = true;
+        }
+    }
+
+    /// If the current candidate was excluded, moves on to the next usable one. `false`
+    /// when none is left (the job fails).
+    pub fn ensure_usable(&mut self) -> bool {
+        if !self.excluded[self.current] {
+            return true;
+        }
+        self.next_usable() != Decision::Fail
     }
 
     fn next_usable(&mut self) -> Decision {

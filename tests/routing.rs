@@ -58,6 +58,19 @@ impl Run {
         all.into_iter().next().expect("one").1
     }
 
+    /// Pushes one payload and waits for one more result; returns the newest.
+    async fn result_of(&mut self, payload: serde_json::Value) -> HashMap<String, String> {
+        let before = entries(&mut self.conn, "{llm}:results").await.len();
+        push(&mut self.conn, "llm", &[payload.to_string()]).await;
+        let waited = wait_len(&mut self.conn, "{llm}:results", before as u64 + 1, T).await;
+        if let Err(e) = context(waited, &[&self.worker]) {
+            panic!("{e:#}");
+        }
+        let all = entries(&mut self.conn, "{llm}:results").await;
+        assert_eq!(all.len(), before + 1, "one more result: {all:?}");
+        all.into_iter().last().expect("one").1
+    }
+
     fn stats(&self) -> SimStats {
         self.sim.sim.stats()
     }
@@ -160,5 +173,160 @@ async fn every_model_denied_fails_after_one_call_each() {
     for m in ["m1", "m2", "m3"] {
         assert_eq!(calls(&st, m, 401), 1, "{m}: {:?}", st.requests);
     }
+    run.stop().await;
+}
+
+/// Tiers (issue 10): a job's `tier` keeps routing inside that tier's models, whatever its
+/// route; a route with no model of the tier fails with `tier:` and calls nothing; an
+/// unknown tier is `invalid`. The job's `tenant` is echoed in its result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_keeps_routing_inside_its_models() {
+    let extra = "[tiers]\nfree = [\"m3\"]\nnarrow = [\"m2\"]\n";
+    let mut run = Run::start(
+        SimOptions {
+            // m3, the tier's only model, is last in the route: it must still be the
+            // first and only one called, and m1/m2 (faulty here) never.
+            rules: vec![always("m1", Fault::Status { status: 503 })],
+            ..SimOptions::default()
+        },
+        extra,
+        &[("LLM_WORKER__ROUTES__ONLY1", "m1")],
+    )
+    .await;
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+    let r = run
+        .result_of(
+            serde_json::json!({"id": "t1", "messages": msgs, "tier": "free", "tenant": "acme"}),
+        )
+        .await;
+    assert_eq!(r["status"], "ok", "{r:?}\n{}", run.worker.log());
+    assert_eq!(r["model"], "m3", "{r:?}");
+    assert_eq!(r["tried"], "m3", "{r:?}");
+    assert_eq!(r.get("tenant").map(String::as_str), Some("acme"), "{r:?}");
+    let st = run.stats();
+    assert_eq!(
+        total_calls(&st, "m1") + total_calls(&st, "m2"),
+        0,
+        "{:?}",
+        st.requests
+    );
+
+    // A job naming a model outside its tier: the model is skipped too.
+    let r = run
+        .result_of(
+            serde_json::json!({"id": "t2", "messages": msgs, "tier": "narrow", "model": "m3"}),
+        )
+        .await;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m2", "{r:?}");
+    assert!(
+        !r.contains_key("tenant"),
+        "no tenant given, none echoed: {r:?}"
+    );
+
+    // Route `only1` has m1 alone, outside tier `narrow`: failed with `tier:`, no call.
+    let m1_before = total_calls(&run.stats(), "m1");
+    let r = run
+        .result_of(
+            serde_json::json!({"id": "t3", "messages": msgs, "tier": "narrow", "route": "only1"}),
+        )
+        .await;
+    assert_eq!(r["status"], "failed", "{r:?}");
+    assert!(r["error"].starts_with("tier: "), "{r:?}");
+    assert!(r["error"].contains("`narrow`"), "{r:?}");
+    assert_eq!(r["attempts"], "0", "{r:?}");
+    assert_eq!(total_calls(&run.stats(), "m1"), m1_before, "no call");
+
+    // An unknown tier is invalid, naming it.
+    let r = run
+        .result_of(serde_json::json!({"id": "t4", "messages": msgs, "tier": "gold"}))
+        .await;
+    assert_eq!(r["status"], "invalid", "{r:?}");
+    assert!(r["error"].contains("unknown tier `gold`"), "{r:?}");
+    run.stop().await;
+}
+
+/// The per-job cost cap (issue 10): a model whose worst case does not fit the job's
+/// `max_cost_usd` is skipped (m3 here, after m1 and m2 fail), a cap nothing fits fails
+/// with `budget:` before any call, and a job within its cap costs at most the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_over_the_jobs_cost_cap_is_skipped() {
+    let mut run = Run::start(
+        SimOptions {
+            rules: vec![
+                always("m1", Fault::Status { status: 503 }),
+                always("m2", Fault::Status { status: 503 }),
+            ],
+            ..SimOptions::default()
+        },
+        "",
+        &[],
+    )
+    .await;
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+    // About 80 bytes of body: m1's worst case (0.14/0.42 per M) and m2's (0.10/2.50)
+    // are below 0.0001 USD with max_tokens 16; m3's (2.00/8.00) is about 0.0003.
+    let r = run
+        .result_of(serde_json::json!({"id": "c1", "messages": msgs, "max_tokens": 16, "max_cost_usd": "0.0001"}))
+        .await;
+    let st = run.stats();
+    assert_eq!(r["status"], "failed", "{r:?}\n{}", run.worker.log());
+    assert!(
+        r["tried"].starts_with("m1,") && !r["tried"].contains("m3"),
+        "{r:?}"
+    );
+    assert_eq!(
+        total_calls(&st, "m3"),
+        0,
+        "m3 is over the cap: {:?}",
+        st.requests
+    );
+    assert!(
+        total_calls(&st, "m1") > 0 && total_calls(&st, "m2") > 0,
+        "{:?}",
+        st.requests
+    );
+
+    // Nothing fits: `budget:` at once, no call.
+    let calls_before: u64 = ["m1", "m2", "m3"]
+        .iter()
+        .map(|m| total_calls(&run.stats(), m))
+        .sum();
+    let r = run
+        .result_of(serde_json::json!({"id": "c2", "messages": msgs, "max_tokens": 16, "max_cost_usd": 0.000000001}))
+        .await;
+    assert_eq!(r["status"], "failed", "{r:?}");
+    assert!(r["error"].starts_with("budget: "), "{r:?}");
+    assert!(r["error"].contains("max_cost_usd"), "{r:?}");
+    assert_eq!(r["attempts"], "0", "{r:?}");
+    let calls_after: u64 = ["m1", "m2", "m3"]
+        .iter()
+        .map(|m| total_calls(&run.stats(), m))
+        .sum();
+    assert_eq!(calls_after, calls_before, "no call");
+
+    // A bad cap is invalid, naming the field.
+    let r = run
+        .result_of(serde_json::json!({"id": "c3", "messages": msgs, "max_cost_usd": "lots"}))
+        .await;
+    assert_eq!(r["status"], "invalid", "{r:?}");
+    assert!(r["error"].contains("max_cost_usd"), "{r:?}");
+    run.stop().await;
+}
+
+/// A job within its cap on a working model: ok, and its cost is at most the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_within_its_cap_costs_at_most_the_cap() {
+    let mut run = Run::start(SimOptions::default(), "", &[]).await;
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+    let cap = "0.0001";
+    let r = run
+        .result_of(serde_json::json!({"id": "w1", "messages": msgs, "max_tokens": 16, "max_cost_usd": cap}))
+        .await;
+    assert_eq!(r["status"], "ok", "{r:?}\n{}", run.worker.log());
+    assert_eq!(r["model"], "m1", "{r:?}");
+    let cost: rust_decimal::Decimal = r["cost_usd"].parse().expect("a decimal");
+    assert!(cost > rust_decimal::Decimal::ZERO, "{r:?}");
+    assert!(cost <= cap.parse().expect("cap"), "{r:?}");
     run.stop().await;
 }

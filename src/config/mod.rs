@@ -56,6 +56,8 @@ pub struct Config {
     pub routes: BTreeMap<String, Vec<String>>,
     /// Retry and backoff policy per model.
     pub retry: RetryConfig,
+    /// Tier name -> the models a job of that tier may run on (its `tier` field).
+    pub tiers: BTreeMap<String, Vec<String>>,
 }
 
 /// A configuration problem. `key` is the dotted path of the offending key
@@ -126,3 +128,14 @@ impl Config {
 
 #[cfg(test)]
 mod tests;
+
+/// A validated config for unit tests: pool `default` (2 slots), provider `p` on a closed
+/// loopback port, then `rest` (models, routes, tiers...).
+#[cfg(test)]
+pub(crate) fn test_config(rest: &str) -> Config {
+    let text = format!(
+        "[pools.default]\nslots = 2\n[providers.p]\nbase_url = \"http://127.0.0.1:1/v1\"\n{rest}"
+    );
+    Config::from_toml_str(&text, &std::collections::HashMap::new())
+        .unwrap_or_else(|e| panic!("test config: {e}"))
+}

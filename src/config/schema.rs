@@ -173,6 +173,10 @@ pub struct ModelConfig {
     pub cached_input_per_mtok: Option<Decimal>,
     /// Largest prompt plus completion, in tokens, the model accepts (> 0).
     pub context_window: u64,
+    /// The model's output cap when a job sets no `max_tokens`: bounds the worst-case
+    /// cost checked against a job's `max_cost_usd`. Absent = the whole context window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -317,6 +317,28 @@ impl Config {
                 )?;
             }
         }
+        for (name, models) in &self.tiers {
+            let key = format!("tiers.{name}");
+            for m in models {
+                require(
+                    self.models.contains_key(m),
+                    &key,
+                    format!("unknown model {m:?} (known: {})", known(self.models.keys())),
+                )?;
+            }
+        }
+        for (name, m) in &self.models {
+            if let Some(cap) = m.max_output_tokens {
+                require(
+                    cap > 0 && cap <= m.context_window,
+                    &format!("models.{name}.max_output_tokens"),
+                    format!(
+                        "is {cap}; it must be between 1 and the model's context_window ({})",
+                        m.context_window
+                    ),
+                )?;
+            }
+        }
         Ok(())
     }
 

@@ -115,6 +115,8 @@ pub struct ResultEntry {
     pub duplicate_of: Option<String>,
     /// The job's `metadata`, as JSON text (copied, not re-parsed, on decode).
     pub metadata: Option<String>,
+    /// The job's `tenant`, when it gave one.
+    pub tenant: Option<String>,
     pub warning: Option<String>,
 }
 
@@ -149,6 +151,7 @@ impl ResultEntry {
             tried: vec![],
             duplicate_of: None,
             metadata: None,
+            tenant: None,
             warning: None,
         }
     }
@@ -182,6 +185,7 @@ impl ResultEntry {
         f.push(("tried", self.tried.join(",").into_bytes()));
         opt(&mut f, "duplicate_of", self.duplicate_of);
         opt(&mut f, "metadata", self.metadata);
+        opt(&mut f, "tenant", self.tenant);
         opt(&mut f, "warning", self.warning);
         f
     }
@@ -238,6 +242,7 @@ impl ResultEntry {
             },
             duplicate_of: r.opt("duplicate_of")?,
             metadata: r.opt("metadata")?,
+            tenant: r.opt("tenant")?,
             warning: r.opt("warning")?,
         })
     }
@@ -537,6 +542,7 @@ mod tests {
         e.attempts = 2;
         e.tried = vec!["m0".into(), "m1".into()];
         e.metadata = Some(r#"{"k":1}"#.into());
+        e.tenant = Some("acme".into());
         e.warning = Some("ignored stream fields other than payload: x".into());
         e
     }
@@ -804,6 +810,7 @@ mod tests {
             "latency_ms",
             "worker",
             "metadata",
+            "tenant",
             "warning",
             "duplicate_of",
             "reason",

@@ -249,6 +249,7 @@ impl Worker {
         result.attempts = spent.attempts;
         result.tried = spent.tried.clone();
         result.metadata = job.metadata.as_ref().map(|m| m.to_string());
+        result.tenant = job.tenant.clone();
         if !bill.warnings.is_empty() {
             result.warning = Some(provider::one_line(&bill.warnings.join("; ")));
         }
@@ -288,6 +289,7 @@ impl Worker {
         result.copy_answer(original);
         result.duplicate_of = Some(result_id.to_string());
         result.metadata = job.metadata.as_ref().map(|m| m.to_string());
+        result.tenant = job.tenant.clone();
         Commit::result_only(&d.entry_id, result)
     }
 }

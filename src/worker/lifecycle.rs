@@ -10,6 +10,7 @@
 use crate::job::{self};
 use crate::provider::{self, CallError, ProviderClient};
 use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus};
+use crate::quota;
 use crate::router::{Candidate, Decision, ErrorClass, Plan};
 use crate::slots::{Lease, SlotError};
 use crate::sync::lock;
@@ -273,7 +274,18 @@ impl Worker {
                 d.extra_fields.join(", ")
             ));
         }
-        let candidates: Vec<Candidate> = job::model_order(&job, &self.cfg)
+        let order = match quota::tier_filter(
+            &self.cfg,
+            job.tier.as_deref(),
+            job::model_order(&job, &self.cfg),
+        ) {
+            Ok(order) => order,
+            Err(e) => {
+                let f = Finished::Failed(e.to_string());
+                return Some(self.finish(d, &job, f, &lock(spent), started));
+            }
+        };
+        let candidates: Vec<Candidate> = order
             .into_iter()
             .filter_map(|m| {
                 let mc = self.cfg.models.get(&m)?;
@@ -296,6 +308,18 @@ impl Worker {
                 &lock(spent),
             ));
         }
+        // The per-job cost cap: each candidate's worst case, checked before every call
+        // against what the job has spent so far.
+        let worst: Vec<_> = match job.max_cost_usd {
+            Some(_) => candidates
+                .iter()
+                .map(|c| match self.cfg.models.get(&c.model) {
+                    Some(mc) => quota::worst_case(&job.body, mc),
+                    None => Ok(rust_decimal::Decimal::ZERO),
+                })
+                .collect(),
+            None => vec![],
+        };
         let mut plan = Plan::new(candidates, self.policy);
         // A job without a producer id has no marker that would stop a second paid call:
         // delivered again, it checks once, right before its first call, that its entry is
@@ -306,6 +330,11 @@ impl Worker {
             // The local rate limit first: a fleet slot is never held while waiting on it.
             // Draining: no provider call starts after the first signal (the job is handed
             // back). Checked before each wait and once more with the slot in hand.
+            if let Some(cap) = job.max_cost_usd
+                && let Err(e) = within_cap(&mut plan, cap, lock(spent).bill.cost, &worst)
+            {
+                break Finished::Failed(e.to_string());
+            }
             let throttled = plan.current().provider.clone();
             if let Some(c) = self.providers.get(&throttled) {
                 self.unless_draining(c.throttle()).await?;
@@ -500,6 +529,31 @@ impl Worker {
             }
         });
     }
+}
+
+/// Excludes every candidate whose worst case no longer fits `cap` after `spent`, and
+/// makes sure the current one fits; the `budget:` error when none is left.
+fn within_cap(
+    plan: &mut Plan,
+    cap: rust_decimal::Decimal,
+    spent: rust_decimal::Decimal,
+    worst: &[Result<rust_decimal::Decimal, crate::cost::CostError>],
+) -> Result<(), quota::QuotaError> {
+    for (i, w) in worst.iter().enumerate() {
+        if !quota::fits(cap, spent, w) {
+            plan.exclude(i);
+        }
+    }
+    if plan.ensure_usable() {
+        return Ok(());
+    }
+    let left: Vec<_> = worst
+        .iter()
+        .enumerate()
+        .skip(plan.current_index())
+        .map(|(_, w)| w.clone())
+        .collect();
+    Err(quota::over_cap(cap, spent, &left))
 }
 
 /// How long a detached slot release may take.

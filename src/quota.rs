@@ -1,0 +1,246 @@
+//! Per-job access and spending rules, applied to a job's route before and between its
+//! calls: tiers (`[tiers]`, the job's `tier`) and the per-job cost cap (`max_cost_usd`).
+//!
+//! Invariant: pure (no IO, no clock), so every rule is checked in unit and property
+//! tests. A *worst case* is an upper bound of what one call can cost, never an estimate
+//! that a call may exceed:
+//! - prompt tokens <= the bytes of the JSON request body: every token of the byte-level
+//!   BPE tokenizers these APIs use covers at least one byte of text, and the JSON
+//!   syntax around each message (`{"role":"user","content":""}`, 29 bytes) exceeds the
+//!   few tokens of chat formatting a provider adds per message;
+//! - output tokens <= the job's `max_tokens` (or `max_completion_tokens`), else the
+//!   model's `max_output_tokens`, else its whole `context_window`;
+//! - cached input is priced as uncached input (the dearer of the two).
+
+use crate::config::{Config, ModelConfig};
+use crate::cost::{self, CostError, Price, Usage};
+use rust_decimal::Decimal;
+use serde_json::{Map, Value};
+
+/// Why a job cannot run on any model of its route. The `Display` starts with the class
+/// word of the contract (`tier:`, `budget:`) and says what to change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuotaError {
+    #[error(
+        "tier: no model of the job's route ({}) is allowed in tier `{tier}` (allowed: {}); send the job with another tier or route",
+        .route.join(", "),
+        .allowed.join(", ")
+    )]
+    Tier {
+        tier: String,
+        route: Vec<String>,
+        allowed: Vec<String>,
+    },
+    #[error(
+        "budget: every model left costs more than the job's max_cost_usd {cap} at worst ({spent} spent so far; cheapest worst case {cheapest}); raise max_cost_usd or set a smaller max_tokens"
+    )]
+    OverCap {
+        cap: Decimal,
+        spent: Decimal,
+        cheapest: String,
+    },
+}
+
+/// Upper bound of the prompt tokens of `body` (see the module doc).
+pub fn prompt_token_bound(body: &Map<String, Value>) -> u64 {
+    serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64)
+}
+
+/// Upper bound of the output tokens of one call of `model` for `body`.
+pub fn output_token_bound(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
+    ["max_tokens", "max_completion_tokens"]
+        .iter()
+        .filter_map(|f| body.get(*f).and_then(Value::as_u64))
+        .min()
+        .or(model.max_output_tokens)
+        .unwrap_or(model.context_window)
+}
+
+/// The most one call of `model` for `body` can cost.
+pub fn worst_case(body: &Map<String, Value>, model: &ModelConfig) -> Result<Decimal, CostError> {
+    let price = Price {
+        input_per_mtok: model.input_per_mtok,
+        output_per_mtok: model.output_per_mtok,
+        cached_input_per_mtok: None,
+    };
+    cost::checked_cost(
+        &Usage {
+            prompt_tokens: prompt_token_bound(body),
+            completion_tokens: output_token_bound(body, model),
+            cached_tokens: 0,
+        },
+        &price,
+    )
+}
+
+/// The models of `order` that tier `tier` allows, in order; `None` tier = all of them.
+pub fn tier_filter(
+    cfg: &Config,
+    tier: Option<&str>,
+    order: Vec<String>,
+) -> Result<Vec<String>, QuotaError> {
+    let Some(tier) = tier else {
+        return Ok(order);
+    };
+    let allowed = cfg.tiers.get(tier).cloned().unwrap_or_default();
+    let kept: Vec<String> = order
+        .iter()
+        .filter(|m| allowed.contains(m))
+        .cloned()
+        .collect();
+    if kept.is_empty() {
+        return Err(QuotaError::Tier {
+            tier: tier.to_string(),
+            route: order,
+            allowed,
+        });
+    }
+    Ok(kept)
+}
+
+/// Whether one more call of a model whose worst case is `worst` keeps the job within
+/// `cap`, having spent `spent` already.
+pub fn fits(cap: Decimal, spent: Decimal, worst: &Result<Decimal, CostError>) -> bool {
+    match worst {
+        Ok(w) => spent.checked_add(*w).is_some_and(|total| total <= cap),
+        Err(_) => false, // not computable = not known to fit
+    }
+}
+
+/// The error for a job none of whose remaining models fits its cap.
+pub fn over_cap(cap: Decimal, spent: Decimal, worsts: &[Result<Decimal, CostError>]) -> QuotaError {
+    let cheapest = worsts
+        .iter()
+        .filter_map(|w| w.as_ref().ok())
+        .min()
+        .map_or_else(|| "not computable".to_string(), |d| cost::format_usd(*d));
+    QuotaError::OverCap {
+        cap,
+        spent,
+        cheapest,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn cfg() -> Config {
+        crate::config::test_config(
+            r#"
+[models.cheap]
+provider = "p"
+input_per_mtok = 1
+output_per_mtok = 2
+context_window = 1000
+max_output_tokens = 100
+[models.dear]
+provider = "p"
+input_per_mtok = 10
+output_per_mtok = 20
+context_window = 5000
+[models.mid]
+provider = "p"
+input_per_mtok = 3
+output_per_mtok = 3
+context_window = 5000
+[routes]
+default = ["dear", "mid", "cheap"]
+[tiers]
+free = ["cheap"]
+pro = ["cheap", "mid", "dear"]
+none = []
+"#,
+        )
+    }
+
+    fn body(s: &str) -> Map<String, Value> {
+        serde_json::from_str(s).unwrap()
+    }
+
+    #[test]
+    fn worst_case_bounds_prompt_by_bytes_and_output_by_the_caps() {
+        let c = cfg();
+        let b = body(r#"{"messages":[{"role":"user","content":"hi"}]}"#);
+        let bytes = serde_json::to_vec(&b).unwrap().len() as u64;
+        assert_eq!(prompt_token_bound(&b), bytes);
+        // cheap: no max_tokens -> the model's max_output_tokens (100)
+        assert_eq!(output_token_bound(&b, &c.models["cheap"]), 100);
+        // dear: neither -> the whole context window
+        assert_eq!(output_token_bound(&b, &c.models["dear"]), 5000);
+        let w = worst_case(&b, &c.models["cheap"]).unwrap();
+        // bytes x $1/M + 100 x $2/M, by hand
+        let want = Decimal::from(bytes) / Decimal::from(1_000_000) + Decimal::new(200, 6);
+        assert_eq!(w, want);
+        let b = body(
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":7,"max_completion_tokens":9}"#,
+        );
+        assert_eq!(
+            output_token_bound(&b, &c.models["dear"]),
+            7,
+            "the smaller cap"
+        );
+    }
+
+    #[test]
+    fn tiers_keep_order_and_fail_with_the_class_word() {
+        let c = cfg();
+        let order = || vec!["dear".to_string(), "mid".into(), "cheap".into()];
+        assert_eq!(tier_filter(&c, None, order()).unwrap(), order());
+        assert_eq!(tier_filter(&c, Some("free"), order()).unwrap(), ["cheap"]);
+        assert_eq!(tier_filter(&c, Some("pro"), order()).unwrap(), order());
+        let e = tier_filter(&c, Some("none"), order())
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("tier: "), "{e}");
+        assert!(
+            e.contains("`none`") && e.contains("dear, mid, cheap"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn cap_fits_exactly_and_over_cap_names_the_cheapest() {
+        let one = Decimal::ONE;
+        assert!(fits(one, Decimal::ZERO, &Ok(one)), "equal to the cap fits");
+        assert!(
+            !fits(one, Decimal::new(1, 12), &Ok(one)),
+            "one pico over does not"
+        );
+        assert!(
+            !fits(Decimal::MAX, Decimal::MAX, &Ok(one)),
+            "overflow does not fit"
+        );
+        let e = over_cap(one, Decimal::ZERO, &[Ok(Decimal::TWO), Ok(Decimal::TEN)]).to_string();
+        assert!(e.starts_with("budget: "), "{e}");
+        assert!(e.contains("cheapest worst case 2"), "{e}");
+    }
+
+    proptest! {
+        /// Whatever the route and the tier, the filtered models are all in the tier, in
+        /// route order, and none of the tier's models of the route is dropped.
+        #[test]
+        fn tiers_are_never_escaped(
+            route in proptest::collection::vec(0usize..3, 0..6),
+            tier in 0usize..4,
+        ) {
+            let c = cfg();
+            let names = ["dear", "mid", "cheap"];
+            let tiers = ["free", "pro", "none", "absent"];
+            let order: Vec<String> = route.iter().map(|&i| names[i].to_string()).collect();
+            let allowed: Vec<String> = c.tiers.get(tiers[tier]).cloned().unwrap_or_default();
+            match tier_filter(&c, Some(tiers[tier]), order.clone()) {
+                Ok(kept) => {
+                    prop_assert!(kept.iter().all(|m| allowed.contains(m)));
+                    let want: Vec<String> = order.iter().filter(|m| allowed.contains(m)).cloned().collect();
+                    prop_assert_eq!(kept, want);
+                }
+                Err(e) => {
+                    prop_assert!(order.iter().all(|m| !allowed.contains(m)));
+                    prop_assert!(e.to_string().starts_with("tier: "));
+                }
+            }
+        }
+    }
+}
