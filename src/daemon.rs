@@ -87,7 +87,8 @@ pub async fn run(
         tracing::info!("Redis answers; starting");
     }
     let slots_task = slots.spawn_background(background.clone());
-    let mut worker = Worker::new(cfg.clone(), queue, slots.clone())?;
+    let budgets = crate::budget::Budgets::new(cfg.clone(), pool.clone());
+    let mut worker = Worker::new(cfg.clone(), queue, slots.clone(), budgets)?;
     worker.state = state_holder.clone();
     let worker = Arc::new(worker);
     if let Some(tx) = state_out {

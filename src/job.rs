@@ -291,23 +291,13 @@ mod tests {
     use super::*;
 
     fn cfg() -> Config {
-        crate::config::test_config(
+        crate::config::test_config(&format!(
+            "{}{}",
+            crate::config::TEST_MODELS_AB,
             r#"
-[models.a]
-provider = "p"
-input_per_mtok = 1
-output_per_mtok = 1
-context_window = 100
-[models.b]
-provider = "p"
-input_per_mtok = 1
-output_per_mtok = 1
-context_window = 100
-[routes]
-default = ["a", "b"]
 alt = ["b"]
-"#,
-        )
+"#
+        ))
     }
 
     fn p(s: &str) -> Result<Job, JobError> {

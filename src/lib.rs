@@ -15,6 +15,7 @@ macro_rules! from_cause {
     };
 }
 pub mod backoff;
+pub mod budget;
 pub mod config;
 pub mod connect;
 pub mod cost;

@@ -60,3 +60,10 @@ pub static SLOT_ACQUIRE: LazyLock<Script> = slot_script!("slot_acquire.lua");
 pub static SLOT_RELEASE: LazyLock<Script> = slot_script!("slot_release.lua");
 /// Lease renewal of every slot this process holds.
 pub static SLOT_RENEW: LazyLock<Script> = slot_script!("slot_renew.lua");
+
+/// Reserve a call's worst case in every budget window that covers it.
+pub static BUDGET_RESERVE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/budget_reserve.lua")));
+/// Settle a reservation to the call's real cost.
+pub static BUDGET_SETTLE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/budget_settle.lua")));

@@ -884,8 +884,33 @@ async fn release_batch(
         groups.push((ps, guard, want, keep_prefix, start, end));
         start = end;
     }
-    let mut conn = inner.conn.get().await?;
-    let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+    let sent = async {
+        let mut conn = inner.conn.get().await?;
+        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        Ok::<_, SlotError>(reply)
+    };
+    let reply = match sent.await {
+        Ok(r) => r,
+        Err(e) => {
+            // The reply is lost, not necessarily the script: it may still run (Redis
+            // stalled past the command timeout runs it when it resumes) and keep slots for
+            // us that no lease here knows of, each for a full TTL; or it never ran and the
+            // released leases stay until their TTL. Release both kinds of value, on
+            // another connection, until Redis answers (`release_orphans`).
+            let mut orphans = vec![];
+            for (ps, _, want, keep_prefix, start, end) in &groups {
+                for &j in &order[*start..*end] {
+                    let p = &batch[j];
+                    orphans.push((ps.name.clone(), p.idx, p.value.clone()));
+                    for k in 1..=(*want).min(end - start) {
+                        orphans.push((ps.name.clone(), p.idx, format!("{keep_prefix}{k}")));
+                    }
+                }
+            }
+            release_orphans(inner.clone(), orphans);
+            return Err(e);
+        }
+    };
     // The script answers {released, handed, not_ours, then one status per slot in the
     // order sent}; put them back in batch order.
     let per_slot = reply.get(3..).unwrap_or(&[]);
@@ -904,6 +929,17 @@ async fn release_batch(
             }
         }
         drop(guard);
+        if want > kept && !ps.has_waiters() {
+            // The script queued us again for waiters that another path (a hand-off's
+            // pick-up racing this release) has served since: leave the queue, or the next
+            // release would hand its slot to a process that wants none.
+            let (inner, name) = (inner.clone(), ps.name.clone());
+            tokio::spawn(async move {
+                if let Some(ps) = inner.pools.get(&name) {
+                    leave_if_idle(&inner, ps).await;
+                }
+            });
+        }
         // Waiters that came while the script ran were not counted in `want`: a waiter
         // that is not its pool's first relies on the driver, which (no hand-off coming
         // to wake it) would only try again at its next tick, up to 100 ms later at
@@ -1035,8 +1071,12 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                 }
             }
             // Still waiting here: queue again at the tail (round robin between processes).
+            // Nobody left: make sure we are out of the queue (a keep racing this pick-up
+            // may have queued us again for the waiter this pick-up served).
             if ps.has_waiters() {
                 retry_pool(&inner, ps).await;
+            } else {
+                leave_if_idle(&inner, ps).await;
             }
         } else {
             // Timed out: a lease may have expired (holder died), and liveness needs a refresh.
@@ -1047,6 +1087,45 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             }
         }
     }
+}
+
+/// Releases slot values this process may hold without a lease: those of a release
+/// script whose reply was lost (the released leases, and the slots it may have kept for
+/// local waiters). Retried until Redis answers (at most one TTL, after which the keys
+/// have expired anyway), then once more after twice the command timeout: the lost
+/// script, queued on a connection since dropped, may run after the first retry.
+/// A value that is not (or no longer) the slot's is left alone by the script.
+fn release_orphans(inner: Arc<Inner>, orphans: Vec<(String, u32, String)>) {
+    tokio::spawn(async move {
+        let deadline = Instant::now() + inner.ttl;
+        let mut passes = 0;
+        while passes < 2 && Instant::now() < deadline {
+            let mut inv = release_invoke(&inner, false);
+            for (pool, idx, value) in &orphans {
+                let Some(ps) = inner.pools.get(pool) else {
+                    continue;
+                };
+                let Some(key) = ps.slot_keys.get(*idx as usize) else {
+                    continue;
+                };
+                inv.key(&ps.queue_key).key(&ps.lease_key).key(key);
+                inv.arg(pool).arg(&ps.slot_prefix).arg(1).arg(0).arg("");
+                inv.arg(*idx).arg(value);
+            }
+            let sent = async {
+                let mut conn = inner.conn.get().await?;
+                let _: Vec<i64> = inv.invoke_async(&mut conn).await?;
+                Ok::<_, SlotError>(())
+            };
+            match sent.await {
+                Ok(()) => {
+                    passes += 1;
+                    tokio::time::sleep(inner.cfg.redis.command_timeout_ms * 2).await;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    });
 }
 
 /// [`retry_pool`] in a task of its own (it waits for the pool's queue lock).

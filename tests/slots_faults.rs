@@ -531,3 +531,113 @@ async fn a_late_release_of_an_old_lease_never_deletes_a_newer_lease_of_the_same_
     cancel.cancel();
     Ok(())
 }
+
+const Q: &str = "{llm}:slotq:default";
+
+async fn wait_queued(conn: &Conn, token: &str) -> bool {
+    wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        let tok = token.to_string();
+        async move {
+            c.zscore::<_, _, Option<f64>>(Q, tok)
+                .await
+                .unwrap_or_else(|e| panic!("ZSCORE: {e}"))
+                .is_some()
+        }
+    })
+    .await
+}
+
+/// A release whose slot is kept for a local waiter, with its reply lost (Redis stopped
+/// past the command timeout; the script runs when it resumes): the kept lease nobody
+/// here knows of must not hold the slot for a whole TTL. (Review of the keep path.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_slot_whose_reply_is_lost_reaches_the_waiter() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 30_000;
+    let cancel = CancellationToken::new();
+    let mut cfg = tc.parsed();
+    cfg.queue.consumer = "pa".into();
+    cfg.redis.command_timeout_ms = Duration::from_millis(300);
+    let a = llm_worker::slots::Slots::connect(&cfg, llm_worker::connect::commands(&cfg)?).await?;
+    a.spawn_background(cancel.clone());
+    let mut conn = redis.conn().await;
+    let pid = redis_pid(&mut conn).await;
+    let t = Duration::from_secs(5);
+    // warm up: the release script is loaded in Redis (else the late EVALSHA is NOSCRIPT)
+    tokio::time::timeout(t, a.acquire("default", t))
+        .await??
+        .release()
+        .await?;
+    let l = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    let aa = a.clone();
+    let w = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(8)).await });
+    assert!(wait_queued(&conn, a.token()).await);
+    signal(pid, libc_sig::STOP);
+    let rel = tokio::spawn(async move { l.release().await });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    signal(pid, libc_sig::CONT);
+    let r = rel.await?;
+    eprintln!("release -> {r:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let v: Option<String> = conn.get("{llm}:slot:default:0").await?;
+    let pttl: i64 = conn.pttl("{llm}:slot:default:0").await?;
+    eprintln!("slot 0 = {v:?} pttl {pttl} held {}", a.held());
+    let got = tokio::time::timeout(Duration::from_secs(10), w).await??;
+    assert!(
+        got.is_ok(),
+        "the waiter never got the slot: {got:?}; slot {v:?} pttl {pttl}"
+    );
+    cancel.cancel();
+    Ok(())
+}
+
+/// A keep racing the driver's pick-up of a hand-off re-queued A for a waiter the hand-off
+/// then served: A must not stay in the fleet queue with nobody waiting. (Review of the
+/// keep path.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keep_racing_a_pickup_leaves_no_stale_queue_entry() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 2;
+    tc.ttl_ms = 30_000;
+    let cancel = CancellationToken::new();
+    let a = slots_for(&tc, "pa", &cancel).await;
+    let b = slots_for(&tc, "pb", &cancel).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let mut stale = 0;
+    for round in 0..30 {
+        let la = tokio::time::timeout(t, a.acquire("default", t)).await??;
+        let lb = tokio::time::timeout(t, b.acquire("default", t)).await??;
+        let (a1, a2) = (a.clone(), a.clone());
+        let w1 = tokio::spawn(async move { a1.acquire("default", t).await });
+        assert!(wait_queued(&conn, a.token()).await);
+        let w2 = tokio::spawn(async move { a2.acquire("default", t).await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (r1, r2) = tokio::join!(lb.release(), la.release());
+        r1?;
+        r2?;
+        let g1 = tokio::time::timeout(t, w1).await???;
+        let g2 = tokio::time::timeout(t, w2).await???;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if conn
+            .zscore::<_, _, Option<f64>>(Q, a.token())
+            .await?
+            .is_some()
+        {
+            stale += 1;
+            eprintln!("round {round}: A queued with no waiter");
+        }
+        g1.release().await?;
+        g2.release().await?;
+        let _: () = redis::cmd("DEL").arg(Q).query_async(&mut conn).await?;
+    }
+    cancel.cancel();
+    assert_eq!(stale, 0, "stale queue entries of A in {stale}/30 rounds");
+    Ok(())
+}

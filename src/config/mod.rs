@@ -21,8 +21,8 @@ mod validate;
 
 pub use load::resolve_path;
 pub use schema::{
-    CLAIM_IDLE_FLOOR, LogConfig, ModelConfig, PoolConfig, ProviderConfig, QueueConfig, RedisConfig,
-    RetryConfig, ServerConfig, SlotsConfig, WorkerConfig,
+    BudgetConfig, CLAIM_IDLE_FLOOR, LogConfig, ModelConfig, OnExhausted, PoolConfig,
+    ProviderConfig, QueueConfig, RedisConfig, RetryConfig, ServerConfig, SlotsConfig, WorkerConfig,
 };
 pub use secret::{Secret, SplitRedisUrl, redact_url, split_redis_url};
 
@@ -58,6 +58,8 @@ pub struct Config {
     pub retry: RetryConfig,
     /// Tier name -> the models a job of that tier may run on (its `tier` field).
     pub tiers: BTreeMap<String, Vec<String>>,
+    /// Fleet-wide spending limits by name.
+    pub budgets: BTreeMap<String, BudgetConfig>,
 }
 
 /// A configuration problem. `key` is the dotted path of the offending key
@@ -139,3 +141,21 @@ pub(crate) fn test_config(rest: &str) -> Config {
     Config::from_toml_str(&text, &std::collections::HashMap::new())
         .unwrap_or_else(|e| panic!("test config: {e}"))
 }
+
+/// Models `a` and `b` (1 USD per M tokens in and out, a 100-token window) on provider
+/// `p`, and route `default` = a, b: a [`test_config`] body for unit tests.
+#[cfg(test)]
+pub(crate) const TEST_MODELS_AB: &str = r#"
+[models.a]
+provider = "p"
+input_per_mtok = 1
+output_per_mtok = 1
+context_window = 100
+[models.b]
+provider = "p"
+input_per_mtok = 1
+output_per_mtok = 1
+context_window = 100
+[routes]
+default = ["a", "b"]
+"#;

@@ -283,3 +283,36 @@ impl Default for RetryConfig {
         }
     }
 }
+
+/// What a worker does with a call a budget has no room for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnExhausted {
+    /// Jobs the budget covers wait (in the stream) until it has room or its window ends.
+    #[default]
+    Pause,
+    /// Only models whose worst case fits what is left are used.
+    Cheaper,
+    /// The job fails with `budget: ...`.
+    Fail,
+}
+
+/// One `[budgets.<name>]` table: a fleet-wide spending limit per UTC day and/or month.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetConfig {
+    /// USD per UTC day (a number or a decimal string).
+    #[serde(default, with = "opt_price", skip_serializing_if = "Option::is_none")]
+    pub usd_per_day: Option<Decimal>,
+    /// USD per UTC calendar month.
+    #[serde(default, with = "opt_price", skip_serializing_if = "Option::is_none")]
+    pub usd_per_month: Option<Decimal>,
+    /// Models it covers; empty = every model.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// "" = the whole fleet, "*" = each tenant its own, or one tenant's name.
+    #[serde(default)]
+    pub tenant: String,
+    #[serde(default)]
+    pub on_exhausted: OnExhausted,
+}

@@ -327,6 +327,41 @@ impl Config {
                 )?;
             }
         }
+        for (name, b) in &self.budgets {
+            let key = format!("budgets.{name}");
+            require(
+                b.usd_per_day.is_some() || b.usd_per_month.is_some(),
+                &key,
+                "needs usd_per_day and/or usd_per_month",
+            )?;
+            for (k, v) in [
+                ("usd_per_day", b.usd_per_day),
+                ("usd_per_month", b.usd_per_month),
+            ] {
+                if let Some(v) = v {
+                    require(
+                        (v.is_zero() || !v.is_sign_negative())
+                            && crate::cost::to_picos(v).is_some(),
+                        &format!("{key}.{k}"),
+                        format!(
+                            "is {v}; it must be a non-negative amount of USD with at most 12 decimal places, below 9,000,000"
+                        ),
+                    )?;
+                }
+            }
+            for m in &b.models {
+                require(
+                    self.models.contains_key(m),
+                    &format!("{key}.models"),
+                    format!("unknown model {m:?} (known: {})", known(self.models.keys())),
+                )?;
+            }
+            require(
+                !b.tenant.contains(':') && b.tenant.len() <= 256,
+                &format!("{key}.tenant"),
+                "must be \"\" (the whole fleet), \"*\" (each tenant its own) or a tenant name without ':'",
+            )?;
+        }
         for (name, m) in &self.models {
             if let Some(cap) = m.max_output_tokens {
                 require(

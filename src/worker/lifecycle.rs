@@ -360,6 +360,34 @@ impl Worker {
                     return None;
                 }
             }
+            let reservation = match self.reserve_budget(&job, &cand.model).await {
+                Reserved::Yes(r) => r,
+                Reserved::Stopped => {
+                    release_unused(lease).await;
+                    return None;
+                }
+                Reserved::Skip(e) => {
+                    // on_exhausted = "cheaper" (or a worst case not computable): another
+                    // model of the route whose worst case fits may run.
+                    release_unused(lease).await;
+                    plan.exclude(plan.current_index());
+                    if plan.ensure_usable() {
+                        continue;
+                    }
+                    break Finished::Failed(e);
+                }
+                Reserved::Fail(e) => {
+                    release_unused(lease).await;
+                    break Finished::Failed(e);
+                }
+                Reserved::Pause(e) => {
+                    release_unused(lease).await;
+                    self.pause_for_budget(&e);
+                    self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
+                        .await?;
+                    continue;
+                }
+            };
             lock(spent).start_call(&cand.model);
             plan.record_attempt();
             let Some(client) = self.providers.get(&cand.provider) else {
@@ -374,6 +402,17 @@ impl Worker {
             {
                 let mut s = lock(spent);
                 if let Some(price) = self.prices.get(&cand.model) {
+                    if let Some(r) = reservation {
+                        // The call's real cost replaces its worst case in the budgets. A
+                        // success without usage may have been billed anything up to the
+                        // worst case: that is what stays counted.
+                        let real = match outcome.usage {
+                            Some(u) => crate::cost::checked_cost(&u, price).ok(),
+                            None if outcome.result.is_ok() => None,
+                            None => Some(rust_decimal::Decimal::ZERO),
+                        };
+                        self.settle_detached(r, real);
+                    }
                     s.bill.add(&cand.model, outcome.usage, price);
                 }
                 if outcome.usage.is_none() && outcome.result.is_ok() {
@@ -554,6 +593,127 @@ fn within_cap(
         .map(|(_, w)| w.clone())
         .collect();
     Err(quota::over_cap(cap, spent, &left))
+}
+
+/// How often a job paused by a budget (`on_exhausted = "pause"`) checks it again.
+const BUDGET_PAUSE_POLL: Duration = Duration::from_secs(2);
+
+/// What the budgets say about one call.
+enum Reserved {
+    /// Go on (with the reservation to settle, if any budget covers the call).
+    Yes(Option<(crate::budget::Reservation, rust_decimal::Decimal)>),
+    /// Try another model of the route (`cheaper`), or fail with this if none is left.
+    Skip(String),
+    /// The job fails with this (`fail`).
+    Fail(String),
+    /// Wait and try again (`pause`).
+    Pause(String),
+    /// Draining: the job is left for hand-back.
+    Stopped,
+}
+
+impl Worker {
+    /// Reserves the worst case of one call of `model` for `job` in every budget window
+    /// covering it (no round trip when no budget is configured). Retries while Redis
+    /// does not answer: a call never runs unreserved when a budget covers it.
+    async fn reserve_budget(&self, job: &job::Job, model: &str) -> Reserved {
+        if self.budgets.is_empty() {
+            return Reserved::Yes(None);
+        }
+        let worst = match self.cfg.models.get(model) {
+            Some(mc) => match quota::worst_case(&job.body, mc) {
+                Ok(w) => w,
+                Err(e) => return Reserved::Skip(format!("budget: {model}: {e}")),
+            },
+            None => return Reserved::Skip(format!("budget: unknown model {model}")),
+        };
+        let mut backoff = Backoff::redis();
+        loop {
+            match self
+                .budgets
+                .reserve(model, job.tenant.as_deref(), worst)
+                .await
+            {
+                Ok(r) => return Reserved::Yes(r.map(|r| (r, worst))),
+                Err(e @ crate::budget::BudgetError::Exhausted { on, .. }) => {
+                    return match on {
+                        crate::config::OnExhausted::Fail => Reserved::Fail(e.to_string()),
+                        crate::config::OnExhausted::Cheaper => Reserved::Skip(e.to_string()),
+                        crate::config::OnExhausted::Pause => Reserved::Pause(e.to_string()),
+                    };
+                }
+                Err(e @ crate::budget::BudgetError::Uncomputable(_)) => {
+                    return Reserved::Skip(e.to_string());
+                }
+                Err(e) => {
+                    if backoff.failures() == 0 {
+                        tracing::warn!(error = %e, job = %job.id, "cannot reserve the call's budget; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return Reserved::Stopped;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Settles a reservation in a task of its own (tracked like slot releases, so a
+    /// stopping worker waits for it, bounded): `real` = the call's cost, `None` = unknown
+    /// (the worst case stays counted).
+    fn settle_detached(
+        &self,
+        (r, worst): (crate::budget::Reservation, rust_decimal::Decimal),
+        real: Option<rust_decimal::Decimal>,
+    ) {
+        let budgets = self.budgets.clone();
+        let cost = real.unwrap_or(worst);
+        self.releases.spawn(async move {
+            // A few tries: settling is idempotent, and an unsettled reservation only
+            // keeps the worst case counted until it expires.
+            for attempt in 0..5u32 {
+                match tokio::time::timeout(RELEASE_BOUND, budgets.settle(&r, cost)).await {
+                    Ok(Ok(())) => return,
+                    Ok(Err(e)) if attempt == 4 => {
+                        tracing::warn!(error = %e, "budget settle failed; the worst case stays reserved until it expires");
+                    }
+                    Err(_) if attempt == 4 => {
+                        tracing::warn!("budget settle timed out; the worst case stays reserved until it expires");
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(100 << attempt)).await,
+                }
+            }
+        });
+    }
+
+    /// A job found its budget exhausted with `on_exhausted = "pause"`: the reader takes
+    /// no new jobs for the next poll period (one log line when the pause begins).
+    fn pause_for_budget(&self, why: &str) {
+        let mut until = lock(&self.paused_until);
+        let now = Instant::now();
+        if until.is_none_or(|u| u <= now) {
+            tracing::warn!(reason = %why, "pausing: taking no new jobs until the budget has room");
+        }
+        // Two polls: a paused job re-checks every poll, so the pause lapses only when no
+        // job found the budget exhausted for a whole poll.
+        *until = Some(now + BUDGET_PAUSE_POLL * 2);
+        metrics::gauge!("llm_worker_budget_paused").set(1.0);
+    }
+
+    /// How long the reader should still hold off new jobs for a paused budget.
+    pub(super) fn budget_pause_left(&self) -> Option<Duration> {
+        let mut until = lock(&self.paused_until);
+        match *until {
+            Some(u) if u > Instant::now() => Some(u - Instant::now()),
+            Some(_) => {
+                *until = None;
+                metrics::gauge!("llm_worker_budget_paused").set(0.0);
+                tracing::info!("budget pause over: taking jobs again");
+                None
+            }
+            None => None,
+        }
+    }
 }
 
 /// How long a detached slot release may take.

@@ -42,6 +42,7 @@ use crate::slots::Slots;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::state::WorkerState;
@@ -85,10 +86,20 @@ pub struct Worker {
     /// Slot releases after a call, detached from their job (see
     /// `Worker::release_detached`); `run` waits for them, bounded, before it returns.
     releases: tokio_util::task::TaskTracker,
+    /// Fleet-wide spending budgets (reserve before a call, settle after it).
+    budgets: crate::budget::Budgets,
+    /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
+    /// takes no new jobs (each paused job pushes it on while it still waits).
+    paused_until: Mutex<Option<Instant>>,
 }
 
 impl Worker {
-    pub fn new(cfg: Arc<Config>, queue: Queue, slots: Slots) -> Result<Worker, WorkerError> {
+    pub fn new(
+        cfg: Arc<Config>,
+        queue: Queue,
+        slots: Slots,
+        budgets: crate::budget::Budgets,
+    ) -> Result<Worker, WorkerError> {
         let cfg_concurrency = cfg.worker.concurrency();
         let mut providers = HashMap::new();
         for (name, p) in &cfg.providers {
@@ -130,6 +141,8 @@ impl Worker {
             reader_stopped: CancellationToken::new(),
             warned_client_id: std::sync::atomic::AtomicBool::new(false),
             releases: tokio_util::task::TaskTracker::new(),
+            budgets,
+            paused_until: Mutex::new(None),
         })
     }
 }

@@ -81,6 +81,16 @@ impl Worker {
             if stop.is_cancelled() {
                 break;
             }
+            if let Some(wait) = self.budget_pause_left() {
+                // A budget with on_exhausted = "pause" has no room: take no new jobs
+                // (they wait in the stream) until it has or its window ends.
+                drop(first);
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = stop.cancelled() => break,
+                }
+                continue;
+            }
             let mut permits = vec![first];
             while let Ok(p) = sem.clone().try_acquire_owned() {
                 permits.push(p);

@@ -1,0 +1,383 @@
+//! Fleet-wide spending budgets (`[budgets.<name>]`): a call's worst case is reserved in
+//! Redis in every budget window that covers it before the call, and settled to its real
+//! cost after it (`lua/budget_reserve.lua`, `lua/budget_settle.lua`).
+//!
+//! Invariants:
+//! - a window (`{ns}:budget:<name>:<tenant>:<d:YYYY-MM-DD | m:YYYY-MM>`, UTC) never holds
+//!   more than its limit in spent + live reservations: the check and the reservation are
+//!   one script, so concurrent calls of the whole fleet overshoot a budget only by what a
+//!   provider bills beyond the worst case reserved (see [`crate::quota`] for the bound);
+//! - a reservation lives the longest provider timeout plus two slot TTLs (the call, and a
+//!   stall between its answer and the settle): a
+//!   worker killed mid-call frees its reservations when they expire; settling is
+//!   idempotent (only a window that still holds the reservation counts the cost);
+//! - amounts are whole pico-dollars (i64), as everywhere else in the money path.
+
+use crate::config::{BudgetConfig, Config, OnExhausted};
+use crate::connect::Commands;
+use crate::cost;
+use rust_decimal::Decimal;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Why no reservation was made.
+#[derive(Debug, thiserror::Error)]
+pub enum BudgetError {
+    /// A window has less left than the call's worst case: what `on_exhausted` says.
+    #[error(
+        "budget: {name} ({window}) has {left} USD left of {limit}, less than this call's worst case {worst}; {what}"
+    )]
+    Exhausted {
+        name: String,
+        window: String,
+        left: String,
+        limit: String,
+        worst: String,
+        on: OnExhausted,
+        what: &'static str,
+    },
+    #[error("budget: the call's worst case is not computable: {0} (the model is skipped)")]
+    Uncomputable(String),
+    #[error("redis: {0} (retry when Redis answers again)")]
+    Redis(redis::RedisError),
+    #[error("redis pool: {0} (retry when Redis answers again)")]
+    Pool(deadpool_redis::PoolError),
+}
+
+from_cause!(BudgetError, BudgetError::Redis, redis::RedisError);
+from_cause!(BudgetError, BudgetError::Pool, deadpool_redis::PoolError);
+
+/// One live reservation: settle it with [`Budgets::settle`].
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    id: String,
+    keys: Vec<String>,
+}
+
+/// One window of one budget that covers a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Window {
+    name: String,
+    /// `d:YYYY-MM-DD` or `m:YYYY-MM`.
+    period: String,
+    key: String,
+    limit: Decimal,
+    /// Unix ms after which the key may go: the window's end plus a week.
+    expire_at_ms: u64,
+    on: OnExhausted,
+}
+
+/// The budgets of this config. Cheap to clone.
+#[derive(Clone)]
+pub struct Budgets {
+    cfg: std::sync::Arc<Config>,
+    conn: Commands,
+    ttl: Duration,
+}
+
+impl Budgets {
+    pub fn new(cfg: std::sync::Arc<Config>, conn: Commands) -> Budgets {
+        let longest_call = cfg
+            .providers
+            .values()
+            .map(|p| p.timeout_ms)
+            .max()
+            .unwrap_or(Duration::from_secs(60));
+        let ttl = longest_call + cfg.slots.ttl_ms * 2;
+        Budgets { cfg, conn, ttl }
+    }
+
+    /// True when no budget is configured (then nothing is reserved: no round trip).
+    pub fn is_empty(&self) -> bool {
+        self.cfg.budgets.is_empty()
+    }
+
+    /// Reserves `worst` USD for one call of `model` for `tenant` in every window that
+    /// covers it. `Ok(None)` when no budget covers the call.
+    pub async fn reserve(
+        &self,
+        model: &str,
+        tenant: Option<&str>,
+        worst: Decimal,
+    ) -> Result<Option<Reservation>, BudgetError> {
+        let windows = windows(&self.cfg, model, tenant, now_ms());
+        if windows.is_empty() {
+            return Ok(None);
+        }
+        let amount = cost::to_picos(worst)
+            .ok_or_else(|| BudgetError::Uncomputable(format!("{worst} USD")))?;
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let mut inv = crate::scripts::BUDGET_RESERVE.prepare_invoke();
+        inv.arg(&id).arg(self.ttl.as_millis() as u64);
+        for w in &windows {
+            inv.key(&w.key);
+            inv.arg(cost::to_picos(w.limit).unwrap_or(i64::MAX))
+                .arg(amount)
+                .arg(w.expire_at_ms);
+        }
+        let mut conn = self.conn.get().await?;
+        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        if reply.first() == Some(&1) {
+            return Ok(Some(Reservation {
+                id,
+                keys: windows.into_iter().map(|w| w.key).collect(),
+            }));
+        }
+        let i = reply.get(1).copied().unwrap_or(1).max(1) as usize - 1;
+        let left = cost::from_picos(reply.get(2).copied().unwrap_or(0));
+        let w = windows
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| windows[0].clone());
+        let what = match w.on {
+            OnExhausted::Fail => "the job fails (on_exhausted = \"fail\")",
+            OnExhausted::Cheaper => {
+                "a cheaper model of the route is tried (on_exhausted = \"cheaper\")"
+            }
+            OnExhausted::Pause => {
+                "jobs it covers wait until it has room or its window ends (on_exhausted = \"pause\")"
+            }
+        };
+        metrics::counter!("llm_worker_budget_exhausted_total", "budget" => w.name.clone())
+            .increment(1);
+        Err(BudgetError::Exhausted {
+            name: w.name,
+            window: w.period,
+            left: cost::format_usd(left),
+            limit: cost::format_usd(w.limit),
+            worst: cost::format_usd(worst),
+            on: w.on,
+            what,
+        })
+    }
+
+    /// Settles `r` to the call's real `cost` (0 when the provider billed nothing).
+    pub async fn settle(&self, r: &Reservation, cost: Decimal) -> Result<(), BudgetError> {
+        let picos = cost::to_picos(cost).unwrap_or(0);
+        let mut inv = crate::scripts::BUDGET_SETTLE.prepare_invoke();
+        for k in &r.keys {
+            inv.key(k);
+        }
+        inv.arg(&r.id).arg(picos);
+        let mut conn = self.conn.get().await?;
+        let settled: i64 = inv.invoke_async(&mut conn).await?;
+        if settled < r.keys.len() as i64 {
+            tracing::warn!(
+                reservation = %r.id,
+                "a budget reservation had expired before its call was settled (the worker \
+                 stalled past the reservation's ttl); that call's cost is not counted in \
+                 the budget"
+            );
+        }
+        Ok(())
+    }
+
+    /// Spent (settled) USD of every window covering anything now, for `status`:
+    /// (budget, window, spent, limit).
+    pub async fn report(&self) -> Result<Vec<(String, String, Decimal, Decimal)>, BudgetError> {
+        let mut out = vec![];
+        let mut conn = self.conn.get().await?;
+        for (name, b) in &self.cfg.budgets {
+            for (period, limit, _) in periods(b, now_ms()) {
+                let pattern = key_prefix(&self.cfg.queue.namespace, name);
+                let tenant = if b.tenant.is_empty() {
+                    "*"
+                } else {
+                    b.tenant.as_str()
+                };
+                if b.tenant == "*" {
+                    continue; // per-tenant windows: one per tenant, not listed here
+                }
+                let key = format!("{pattern}{tenant}:{period}");
+                let spent: Option<i64> = redis::cmd("HGET")
+                    .arg(&key)
+                    .arg("spent")
+                    .query_async(&mut conn)
+                    .await?;
+                out.push((
+                    name.clone(),
+                    period,
+                    cost::from_picos(spent.unwrap_or(0)),
+                    limit,
+                ));
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn key_prefix(ns: &str, name: &str) -> String {
+    format!("{{{ns}}}:budget:{name}:")
+}
+
+/// Whether budget `b` covers a call of `model` for `tenant`.
+fn covers(b: &BudgetConfig, model: &str, tenant: Option<&str>) -> bool {
+    let model_ok = b.models.is_empty() || b.models.iter().any(|m| m == model);
+    let tenant_ok = match b.tenant.as_str() {
+        "" | "*" => true,
+        name => tenant == Some(name),
+    };
+    model_ok && tenant_ok
+}
+
+/// The budget's windows at `now_ms`: (period, limit, end of the window in unix ms).
+fn periods(b: &BudgetConfig, now_ms: u64) -> Vec<(String, Decimal, u64)> {
+    let day = now_ms / 86_400_000;
+    let (y, m, d) = civil_from_days(day as i64);
+    let mut out = vec![];
+    if let Some(limit) = b.usd_per_day {
+        out.push((
+            format!("d:{y:04}-{m:02}-{d:02}"),
+            limit,
+            (day + 1) * 86_400_000,
+        ));
+    }
+    if let Some(limit) = b.usd_per_month {
+        let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
+        let end = days_from_civil(ny, nm, 1) as u64 * 86_400_000;
+        out.push((format!("m:{y:04}-{m:02}"), limit, end));
+    }
+    out
+}
+
+/// Every window covering a call of `model` for `tenant` at `now_ms`, in budget order.
+fn windows(cfg: &Config, model: &str, tenant: Option<&str>, now_ms: u64) -> Vec<Window> {
+    let mut out = vec![];
+    for (name, b) in &cfg.budgets {
+        if !covers(b, model, tenant) {
+            continue;
+        }
+        // "*" = each tenant its own window (a job without a tenant shares the "-" one).
+        let who = match b.tenant.as_str() {
+            "" => "*".to_string(),
+            "*" => format!("t={}", tenant.unwrap_or("-")),
+            name => format!("t={name}"),
+        };
+        for (period, limit, end) in periods(b, now_ms) {
+            out.push(Window {
+                name: name.clone(),
+                key: format!("{}{who}:{period}", key_prefix(&cfg.queue.namespace, name)),
+                period,
+                limit,
+                expire_at_ms: end + 7 * 86_400_000,
+                on: b.on_exhausted,
+            });
+        }
+    }
+    out
+}
+
+/// (year, month, day) of a day count since 1970-01-01 (proleptic Gregorian; Howard
+/// Hinnant's `civil_from_days`).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+/// Days since 1970-01-01 of a civil date (inverse of [`civil_from_days`]).
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates_round_trip_and_known_days() {
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(20_425), (2025, 12, 3));
+        assert_eq!(civil_from_days(11_016), (2000, 2, 29));
+        for z in -800_000..800_000i64 {
+            if z % 997 != 0 {
+                continue;
+            }
+            let (y, m, d) = civil_from_days(z);
+            assert_eq!(days_from_civil(y, m, d), z);
+        }
+    }
+
+    fn cfg() -> Config {
+        crate::config::test_config(&format!(
+            "{}{}",
+            crate::config::TEST_MODELS_AB,
+            r#"
+[budgets.all]
+usd_per_day = "25.00"
+usd_per_month = 500
+[budgets.only-b]
+usd_per_day = 1
+models = ["b"]
+on_exhausted = "fail"
+[budgets.each]
+usd_per_month = 2
+tenant = "*"
+on_exhausted = "cheaper"
+[budgets.acme]
+usd_per_day = 3
+tenant = "acme"
+"#
+        ))
+    }
+
+    #[test]
+    fn windows_cover_by_model_and_tenant_and_name_the_utc_period() {
+        let c = cfg();
+        // 2026-12-31T23:59:59Z
+        let t = days_from_civil(2026, 12, 31) as u64 * 86_400_000 + 86_399_000;
+        let keys = |model, tenant| -> Vec<String> {
+            windows(&c, model, tenant, t)
+                .into_iter()
+                .map(|w| w.key)
+                .collect()
+        };
+        assert_eq!(
+            keys("a", None),
+            [
+                "{llm}:budget:all:*:d:2026-12-31",
+                "{llm}:budget:all:*:m:2026-12",
+                "{llm}:budget:each:t=-:m:2026-12",
+            ]
+        );
+        assert_eq!(
+            keys("b", Some("acme")),
+            [
+                "{llm}:budget:acme:t=acme:d:2026-12-31",
+                "{llm}:budget:all:*:d:2026-12-31",
+                "{llm}:budget:all:*:m:2026-12",
+                "{llm}:budget:each:t=acme:m:2026-12",
+                "{llm}:budget:only-b:*:d:2026-12-31",
+            ]
+        );
+        let w = windows(&c, "a", None, t);
+        // the month window ends at 2027-01-01, kept a week more
+        let jan1 = days_from_civil(2027, 1, 1) as u64 * 86_400_000;
+        assert_eq!(w[1].expire_at_ms, jan1 + 7 * 86_400_000);
+        assert_eq!(w[0].expire_at_ms, jan1 + 7 * 86_400_000);
+        // one second later: the next day and month
+        assert!(
+            windows(&c, "a", None, t + 1000)[0]
+                .key
+                .ends_with("d:2027-01-01")
+        );
+    }
+}
