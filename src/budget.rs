@@ -170,39 +170,87 @@ impl Budgets {
         }
         Ok(())
     }
+}
 
-    /// Spent (settled) USD of every window covering anything now, for `status`:
-    /// (budget, window, spent, limit).
-    pub async fn report(&self) -> Result<Vec<(String, String, Decimal, Decimal)>, BudgetError> {
-        let mut out = vec![];
-        let mut conn = self.conn.get().await?;
-        for (name, b) in &self.cfg.budgets {
-            for (period, limit, _) in periods(b, now_ms()) {
-                let pattern = key_prefix(&self.cfg.queue.namespace, name);
-                let tenant = if b.tenant.is_empty() {
-                    "*"
-                } else {
-                    b.tenant.as_str()
-                };
-                if b.tenant == "*" {
-                    continue; // per-tenant windows: one per tenant, not listed here
-                }
-                let key = format!("{pattern}{tenant}:{period}");
-                let spent: Option<i64> = redis::cmd("HGET")
-                    .arg(&key)
-                    .arg("spent")
-                    .query_async(&mut conn)
+/// One window of one budget now, for `status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowReport {
+    pub budget: String,
+    /// `*` (the whole fleet) or `t=<tenant>`.
+    pub who: String,
+    /// `d:YYYY-MM-DD` or `m:YYYY-MM` (UTC).
+    pub period: String,
+    pub limit: Decimal,
+    /// Settled spending.
+    pub spent: Decimal,
+    /// Worst cases of calls running now.
+    pub reserved: Decimal,
+}
+
+/// Every budget window of the current day and month that has a key (per-tenant windows
+/// found with SCAN), for `status`.
+pub async fn report(
+    cfg: &Config,
+    c: &mut redis::aio::MultiplexedConnection,
+) -> Result<Vec<WindowReport>, redis::RedisError> {
+    let now = now_ms();
+    let mut out = vec![];
+    for (name, b) in &cfg.budgets {
+        for (period, limit, _) in periods(b, now) {
+            let prefix = key_prefix(&cfg.queue.namespace, name);
+            let pattern = format!("{prefix}*:{period}");
+            let mut keys: Vec<String> = vec![];
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(c)
                     .await?;
-                out.push((
-                    name.clone(),
-                    period,
-                    cost::from_picos(spent.unwrap_or(0)),
+                keys.extend(batch);
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+            keys.sort();
+            for key in keys {
+                let fields: std::collections::HashMap<String, String> =
+                    redis::cmd("HGETALL").arg(&key).query_async(c).await?;
+                let mut spent = 0i64;
+                let mut reserved = 0i64;
+                for (f, v) in &fields {
+                    if f == "spent" {
+                        spent = v.parse().unwrap_or(0);
+                    } else if f.starts_with("r:") {
+                        let mut parts = v.split('|');
+                        let amount: i64 = parts.next().and_then(|a| a.parse().ok()).unwrap_or(0);
+                        let expiry: u64 = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
+                        if expiry > now {
+                            reserved = reserved.saturating_add(amount);
+                        }
+                    }
+                }
+                let who = key
+                    .strip_prefix(&prefix)
+                    .and_then(|r| r.strip_suffix(&format!(":{period}")))
+                    .unwrap_or("*")
+                    .to_string();
+                out.push(WindowReport {
+                    budget: name.clone(),
+                    who,
+                    period: period.clone(),
                     limit,
-                ));
+                    spent: cost::from_picos(spent),
+                    reserved: cost::from_picos(reserved),
+                });
             }
         }
-        Ok(out)
     }
+    Ok(out)
 }
 
 fn now_ms() -> u64 {

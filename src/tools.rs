@@ -373,6 +373,20 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
             e.insert(field.to_string(), json!(v));
         }
     }
+    let budgets: Vec<Value> = crate::budget::report(cfg, &mut c)
+        .await?
+        .into_iter()
+        .map(|w| {
+            json!({
+                "budget": w.budget,
+                "who": w.who,
+                "window": w.period,
+                "limit_usd": cost::format_usd(w.limit),
+                "spent_usd": cost::format_usd(w.spent),
+                "reserved_usd": cost::format_usd(w.reserved),
+            })
+        })
+        .collect();
     Ok(json!({
         "redis": crate::config::redact_url(&cfg.redis.url),
         "stream": keys.jobs,
@@ -383,6 +397,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         "dead_letters": dead_len,
         "pools": pools,
         "cost": {"total_usd": cost::format_usd(cost::from_picos(total_picos)), "models": per_model},
+        "budgets": budgets,
     }))
 }
 
@@ -459,6 +474,18 @@ pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
         "cost total      ${}",
         v["cost"]["total_usd"].as_str().unwrap_or("0")
     )?;
+    for b in v["budgets"].as_array().into_iter().flatten() {
+        writeln!(
+            out,
+            "budget {:<14} {} {}  spent ${} + running ${} of ${}",
+            b["budget"].as_str().unwrap_or(""),
+            b["who"].as_str().unwrap_or(""),
+            b["window"].as_str().unwrap_or(""),
+            b["spent_usd"].as_str().unwrap_or("0"),
+            b["reserved_usd"].as_str().unwrap_or("0"),
+            b["limit_usd"].as_str().unwrap_or("0"),
+        )?;
+    }
     if let Some(models) = v["cost"]["models"].as_object() {
         for (m, t) in models {
             writeln!(

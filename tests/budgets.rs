@@ -137,6 +137,28 @@ async fn fifty_concurrent_jobs_never_overspend_a_budget_that_fails() {
         spent,
         "settled = billed"
     );
+    // `status` shows the window: spent, nothing running, the limit.
+    let st = llm_worker::tools::status(&s.tc.parsed())
+        .await
+        .expect("status");
+    let b = &st["budgets"][0];
+    assert_eq!(b["budget"], "ten", "{st}");
+    assert_eq!(b["who"], "*", "{st}");
+    assert!(
+        b["window"].as_str().is_some_and(|w| w.starts_with("d:")),
+        "{st}"
+    );
+    assert_eq!(b["spent_usd"], llm_worker::cost::format_usd(spent), "{st}");
+    assert_eq!(b["reserved_usd"], "0", "{st}");
+    assert_eq!(
+        b["limit_usd"],
+        llm_worker::cost::format_usd(s.limit),
+        "{st}"
+    );
+    let mut text = vec![];
+    llm_worker::tools::print_status(&st, &mut text).expect("print");
+    let text = String::from_utf8(text).expect("utf8");
+    assert!(text.contains("budget ten"), "{text}");
     stop_clean(&mut w, T).await;
 }
 
