@@ -283,6 +283,8 @@ pub fn model_order(job: &Job, cfg: &Config) -> Vec<String> {
             }
         }
     }
+    // Models the provider's key cannot see (checked at start) are never tried.
+    out.retain(|m| !cfg.unavailable_models.contains(m));
     out
 }
 

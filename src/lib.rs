@@ -22,6 +22,7 @@ pub mod cost;
 pub mod daemon;
 pub mod demo;
 pub mod job;
+pub mod keycheck;
 pub mod outcome;
 pub mod provider;
 pub mod queue;

@@ -193,6 +193,15 @@ async fn real_main(
             shutdown
                 .listen_for_signals(cfg.worker.shutdown_grace_ms)
                 .context("installing signal handlers")?;
+            let mut cfg = cfg;
+            match llm_worker::keycheck::check(&cfg).await {
+                Ok(found) => cfg.unavailable_models = llm_worker::keycheck::unseen_models(&found),
+                Err(e) => {
+                    tracing::error!(error = %e, "stopping: a provider rejected its API key");
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            }
             daemon::run(cfg, shutdown, listener, Some(prom), None).await?;
             Ok(ExitCode::SUCCESS)
         }
@@ -242,6 +251,30 @@ async fn real_main(
         Some(Cmd::CheckConfig) => {
             let cfg = cfg.context("config")?;
             print!("{}", cfg.redacted_toml());
+            match llm_worker::keycheck::check(&cfg).await {
+                Ok(found) => {
+                    for (provider, f) in found {
+                        use llm_worker::keycheck::Found;
+                        match f {
+                            Found::Ok { visible, unseen } if unseen.is_empty() => {
+                                eprintln!("provider {provider}: key ok ({visible} models visible)")
+                            }
+                            Found::Ok { visible, unseen } => eprintln!(
+                                "provider {provider}: key ok ({visible} models visible); cannot see {} (left out of routing)",
+                                unseen.join(", ")
+                            ),
+                            Found::Skipped => {}
+                            Found::Unknown(why) => {
+                                eprintln!("provider {provider}: key not checked: {why}")
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+            }
             eprintln!("config ok");
             Ok(ExitCode::SUCCESS)
         }

@@ -330,3 +330,96 @@ async fn a_job_within_its_cap_costs_at_most_the_cap() {
     assert!(cost <= cap.parse().expect("cap"), "{r:?}");
     run.stop().await;
 }
+
+/// Redis, the sim with `opts`, and a config with key validation on, written to a temp dir.
+async fn key_checked(
+    opts: SimOptions,
+) -> (
+    RedisServer,
+    SimHandle,
+    tempfile::TempDir,
+    std::path::PathBuf,
+) {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(opts).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.validate_key = true;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = tc.write(dir.path(), "w.toml");
+    (redis, sim, dir, cfg)
+}
+
+/// Key validation at start (issue 10): a provider that answers 401 at `GET /models` stops
+/// `run` and `check-config` with exit 2 and a message naming the provider and the key's
+/// variable (never the key), before any job is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_key_at_get_models_is_exit_2() {
+    let (redis, sim, dir, cfg) = key_checked(SimOptions {
+        api_key: Some("the-right-key".into()),
+        ..SimOptions::default()
+    })
+    .await;
+    let env = [
+        ("LLM_WORKER__PROVIDERS__P1__API_KEY_ENV", "P1_KEY"),
+        ("P1_KEY", "a-wrong-key-1234"),
+    ];
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("k1", "hi")]).await;
+    for cmd in ["check-config", "run"] {
+        let out = run_bin_async(&["--config", cfg.to_str().expect("utf8"), cmd], &env, T).await;
+        assert_eq!(out.code, Some(2), "{cmd}: {}", out.all());
+        assert!(out.stderr.contains("providers.p1"), "{cmd}: {}", out.all());
+        assert!(out.stderr.contains("P1_KEY"), "{cmd}: {}", out.all());
+        assert!(out.stderr.contains("401"), "{cmd}: {}", out.all());
+        assert!(
+            !out.all().contains("a-wrong-key-1234"),
+            "{cmd}: key leaked: {}",
+            out.all()
+        );
+    }
+    let results: u64 = redis::AsyncCommands::xlen(&mut conn, "{llm}:results")
+        .await
+        .expect("XLEN");
+    assert_eq!(results, 0, "no job was taken");
+    // The right key: check-config passes and says the key is ok.
+    let env = [
+        ("LLM_WORKER__PROVIDERS__P1__API_KEY_ENV", "P1_KEY"),
+        ("P1_KEY", "the-right-key"),
+        ("LLM_WORKER__PROVIDERS__P2__VALIDATE_KEY", "false"),
+    ];
+    let out = run_bin_async(
+        &["--config", cfg.to_str().expect("utf8"), "check-config"],
+        &env,
+        T,
+    )
+    .await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        !out.all().contains("the-right-key"),
+        "key leaked: {}",
+        out.all()
+    );
+}
+
+/// A key that works but cannot see a configured model: the model is left out of routing
+/// (logged), so jobs go straight to the next model instead of paying a failed call first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_the_key_cannot_see_is_left_out_of_routing() {
+    let (redis, sim, dir, cfg) = key_checked(SimOptions {
+        models: Some(vec!["m2".into(), "m3".into()]),
+        ..SimOptions::default()
+    })
+    .await;
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    push(&mut conn, "llm", &[job("v1", "hi")]).await;
+    let waited = wait_len(&mut conn, "{llm}:results", 1, T).await;
+    context(waited, &[&w]).expect("one result");
+    let r = entries(&mut conn, "{llm}:results").await.remove(0).1;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m2", "{r:?}");
+    assert_eq!(r["tried"], "m2", "m1 never tried: {r:?}");
+    assert_eq!(total_calls(&sim.sim.stats(), "m1"), 0);
+    assert!(w.log().contains("cannot see these models"), "{}", w.log());
+    stop_clean(&mut w, T).await;
+}

@@ -60,6 +60,10 @@ pub struct Config {
     pub tiers: BTreeMap<String, Vec<String>>,
     /// Fleet-wide spending limits by name.
     pub budgets: BTreeMap<String, BudgetConfig>,
+    /// Models the provider's key cannot see (found at start by `keycheck`): left out of
+    /// routing. Never read from or written to a file.
+    #[serde(skip)]
+    pub unavailable_models: std::collections::BTreeSet<String>,
 }
 
 /// A configuration problem. `key` is the dotted path of the offending key

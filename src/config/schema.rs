@@ -146,6 +146,10 @@ pub struct ProviderConfig {
     /// Local limit of this process (governor).
     #[serde(default = "default_rps")]
     pub requests_per_second: NonZeroU32,
+    /// Check the key at start with `GET {base_url}/models` (see `keycheck`): a 401/403
+    /// stops the worker (exit 2), models it cannot see are left out of routing.
+    #[serde(default = "yes")]
+    pub validate_key: bool,
     /// Filled by validation from `api_key_env`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
@@ -315,4 +319,8 @@ pub struct BudgetConfig {
     pub tenant: String,
     #[serde(default)]
     pub on_exhausted: OnExhausted,
+}
+
+fn yes() -> bool {
+    true
 }

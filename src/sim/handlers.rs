@@ -340,8 +340,30 @@ pub(super) fn fault_response(
     }
 }
 
-pub(super) async fn list_models(State(sim): State<Sim>) -> Response {
+pub(super) async fn list_models(
+    State(sim): State<Sim>,
+    headers: axum::http::HeaderMap,
+) -> Response {
     let opts = sim.options();
+    if let Some(key) = &opts.api_key {
+        let given = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(key.as_str()) {
+            return json_response(
+                StatusCode::UNAUTHORIZED,
+                &json!({"error": {"message": "invalid api key", "type": "authentication_error", "code": "invalid_api_key"}}),
+            );
+        }
+    }
+    if let Some(list) = &opts.models {
+        let data: Vec<Value> = list
+            .iter()
+            .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "sim"}))
+            .collect();
+        return json_response(StatusCode::OK, &json!({"object": "list", "data": data}));
+    }
     let mut models: BTreeSet<String> = opts
         .rules
         .iter()

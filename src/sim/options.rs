@@ -30,6 +30,13 @@ pub struct SimOptions {
     /// 0..1: report `usage.prompt_tokens_details.cached_tokens = floor(prompt_tokens * fraction)`.
     #[serde(default)]
     pub cached_fraction: f64,
+    /// When set, `GET /v1/models` lists exactly these (else the models the sim has
+    /// rules, windows or calls for).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub models: Option<Vec<String>>,
+    /// When set, `GET /v1/models` answers 401 unless `Authorization: Bearer <it>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key: Option<String>,
 }
 
 /// A fault-injection rule.

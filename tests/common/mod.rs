@@ -240,6 +240,9 @@ pub struct TestConfig {
     pub grace_ms: u64,
     pub listen: String,
     pub extra: String,
+    /// `providers.*.validate_key` (off by default in tests: the sim lists only the
+    /// models it knows of unless told which).
+    pub validate_key: bool,
 }
 
 impl TestConfig {
@@ -278,10 +281,12 @@ slots = {slots}
 [providers.p1]
 base_url = "http://{sim}/v1"
 api_key_env = ""
+validate_key = {validate}
 
 [providers.p2]
 base_url = "http://{sim}/v1"
 api_key_env = ""
+validate_key = {validate}
 
 [models.m1]
 provider = "p1"
@@ -322,6 +327,7 @@ max_retry_after_ms = 2000
             slots = self.slots,
             sim = self.sim,
             extra = self.extra,
+            validate = self.validate_key,
         )
     }
 
@@ -338,6 +344,7 @@ max_retry_after_ms = 2000
             grace_ms: 3000,
             listen: String::new(),
             extra: String::new(),
+            validate_key: false,
         }
     }
 
