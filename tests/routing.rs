@@ -354,7 +354,7 @@ async fn key_checked(
 /// variable (never the key), before any job is taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejected_key_at_get_models_is_exit_2() {
-    let (redis, sim, dir, cfg) = key_checked(SimOptions {
+    let (redis, _sim, _dir, cfg) = key_checked(SimOptions {
         api_key: Some("the-right-key".into()),
         ..SimOptions::default()
     })
@@ -405,7 +405,7 @@ async fn a_rejected_key_at_get_models_is_exit_2() {
 /// (logged), so jobs go straight to the next model instead of paying a failed call first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_the_key_cannot_see_is_left_out_of_routing() {
-    let (redis, sim, dir, cfg) = key_checked(SimOptions {
+    let (redis, sim, _dir, cfg) = key_checked(SimOptions {
         models: Some(vec!["m2".into(), "m3".into()]),
         ..SimOptions::default()
     })
