@@ -23,6 +23,8 @@ pub struct Price {
     pub output_per_mtok: Decimal,
     /// Cached prompt tokens; `None` = billed as ordinary input.
     pub cached_input_per_mtok: Option<Decimal>,
+    /// Prompt tokens written to the cache; `None` = billed as ordinary input.
+    pub cache_write_per_mtok: Option<Decimal>,
 }
 
 /// Largest number of decimal places a price may have: one millionth of a USD per
@@ -79,10 +81,16 @@ pub fn checked_cost(usage: &Usage, price: &Price) -> Result<Decimal, CostError> 
         prompt_tokens: usage.prompt_tokens,
         completion_tokens: usage.completion_tokens,
     };
+    // Every prompt token at exactly one price: cache reads, cache writes, the rest.
     let cached = usage.cached_tokens.min(usage.prompt_tokens);
-    let uncached = usage.prompt_tokens - cached; // cached <= prompt_tokens
+    let written = usage.cache_write_tokens.min(usage.prompt_tokens - cached);
+    let uncached = usage.prompt_tokens - cached - written; // cached + written <= prompt
     let input = micros_per_mtok(price.input_per_mtok)?;
     let cached_price = match price.cached_input_per_mtok {
+        Some(p) => micros_per_mtok(p)?,
+        None => input,
+    };
+    let write_price = match price.cache_write_per_mtok {
         Some(p) => micros_per_mtok(p)?,
         None => input,
     };
@@ -90,6 +98,7 @@ pub fn checked_cost(usage: &Usage, price: &Price) -> Result<Decimal, CostError> 
     let term = |tokens: u64, micros: u128| u128::from(tokens).checked_mul(micros);
     let picos = term(uncached, input)
         .and_then(|a| a.checked_add(term(cached, cached_price)?))
+        .and_then(|a| a.checked_add(term(written, write_price)?))
         .and_then(|a| a.checked_add(term(usage.completion_tokens, output)?))
         .ok_or_else(overflow)?;
     let picos = i128::try_from(picos).map_err(|_| overflow())?;
@@ -146,6 +155,7 @@ mod tests {
             input_per_mtok: d("0.14"),
             output_per_mtok: d("0.42"),
             cached_input_per_mtok: Some(d("0.028")),
+            cache_write_per_mtok: None,
         }
     }
 
@@ -161,6 +171,7 @@ mod tests {
             prompt_tokens: 1234,
             completion_tokens: 567,
             cached_tokens: 0,
+            cache_write_tokens: 0,
         };
         // 1234*0.14 + 567*0.42 = 172.76 + 238.14 = 410.90 -> /1e6
         assert_eq!(cost(&u, &deepseek()), d("0.0004109"));
@@ -173,6 +184,7 @@ mod tests {
             prompt_tokens: 1000,
             completion_tokens: 0,
             cached_tokens: 400,
+            cache_write_tokens: 0,
         };
         // 600*0.14 + 400*0.028 = 84 + 11.2 = 95.2
         assert_eq!(cost(&u, &deepseek()), d("0.0000952"));
@@ -180,6 +192,7 @@ mod tests {
             prompt_tokens: 10,
             completion_tokens: 0,
             cached_tokens: 99,
+            cache_write_tokens: 0,
         };
         assert_eq!(cost(&silly, &deepseek()), d("0.00000028"));
         let no_cache_price = Price {
@@ -195,6 +208,7 @@ mod tests {
             prompt_tokens: 1,
             completion_tokens: 1,
             cached_tokens: 0,
+            cache_write_tokens: 0,
         };
         let mut total = Decimal::ZERO;
         let mut picos = 0i64;
@@ -215,11 +229,13 @@ mod tests {
             prompt_tokens: u64::MAX,
             completion_tokens: u64::MAX,
             cached_tokens: u64::MAX / 2,
+            cache_write_tokens: 0,
         };
         let dearest = Price {
             input_per_mtok: MAX_PRICE_PER_MTOK,
             output_per_mtok: d("999999.999999"),
             cached_input_per_mtok: Some(d("0.000001")),
+            cache_write_per_mtok: None,
         };
         // ~5.5e31 picos: exact in u128, beyond a Decimal's 96 bits -> reported.
         let e = checked_cost(&max, &dearest).expect_err("too large for a Decimal");
@@ -231,6 +247,7 @@ mod tests {
                 input_per_mtok: d(absurd),
                 output_per_mtok: d("1"),
                 cached_input_per_mtok: None,
+                cache_write_per_mtok: None,
             };
             let r = std::panic::catch_unwind(|| checked_cost(&max, &p));
             let e = r.expect("no panic").expect_err(absurd);
@@ -241,6 +258,7 @@ mod tests {
             input_per_mtok: d("0.000001"),
             output_per_mtok: d("0"),
             cached_input_per_mtok: None,
+            cache_write_per_mtok: None,
         };
         let one = Usage {
             prompt_tokens: u64::MAX,
@@ -255,11 +273,13 @@ mod tests {
             prompt_tokens: 1_000_000_000,
             completion_tokens: 1_000_000_000,
             cached_tokens: 999_999_999,
+            cache_write_tokens: 0,
         };
         let cap = Price {
             input_per_mtok: MAX_PRICE_PER_MTOK,
             output_per_mtok: MAX_PRICE_PER_MTOK,
             cached_input_per_mtok: Some(d("0.000001")),
+            cache_write_per_mtok: None,
         };
         // 1 x 1e6 / 1e6 + 999,999,999 x 1e-6 / 1e6 + 1e9 x 1e6 / 1e6 USD
         assert_eq!(

@@ -362,11 +362,13 @@ pub async fn run(
                 input_per_mtok: mc.input_per_mtok,
                 output_per_mtok: mc.output_per_mtok,
                 cached_input_per_mtok: mc.cached_input_per_mtok,
+                cache_write_per_mtok: mc.cache_write_per_mtok,
             };
             let u = cost::Usage {
                 prompt_tokens: b.prompt_tokens,
                 completion_tokens: b.completion_tokens,
                 cached_tokens: b.cached_tokens,
+                cache_write_tokens: 0,
             };
             cost::checked_cost(&u, &price).ok()
         })

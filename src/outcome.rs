@@ -36,6 +36,9 @@ pub struct Usage {
     pub completion_tokens: u64,
     /// Part of `prompt_tokens` served from the provider's prompt cache.
     pub cached_tokens: u64,
+    /// Part of `prompt_tokens` written to the provider's prompt cache (Anthropic-style
+    /// `cache_creation_input_tokens`), priced at `cache_write_per_mtok`.
+    pub cache_write_tokens: u64,
 }
 
 impl Usage {
@@ -48,5 +51,8 @@ impl Usage {
             .completion_tokens
             .saturating_add(other.completion_tokens);
         self.cached_tokens = self.cached_tokens.saturating_add(other.cached_tokens);
+        self.cache_write_tokens = self
+            .cache_write_tokens
+            .saturating_add(other.cache_write_tokens);
     }
 }

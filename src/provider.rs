@@ -169,25 +169,45 @@ pub const MAX_REPORTED_TOKENS: u64 = 1_000_000_000;
 /// Usage as an OpenAI-compatible body reports it, if it does. A body reporting more than
 /// [`MAX_REPORTED_TOKENS`] prompt or completion tokens is treated as reporting no usage
 /// (the worker then warns that the call's cost is unknown).
+///
+/// Two shapes: OpenAI's (`prompt_tokens` includes every input token; cache reads in
+/// `prompt_tokens_details.cached_tokens`, or `cache_read_input_tokens` as aggregators
+/// relaying Anthropic put it; cache writes in `cache_creation_input_tokens`, also
+/// included in `prompt_tokens`; reasoning tokens are inside `completion_tokens`) and
+/// Anthropic's (`input_tokens` excludes the cache: the prompt is `input_tokens +
+/// cache_read_input_tokens + cache_creation_input_tokens`, the completion
+/// `output_tokens`). Either way every token is priced once.
 pub fn parse_usage(v: &Value) -> Option<Usage> {
     let u = v.get("usage")?.as_object()?;
-    let prompt = u.get("prompt_tokens")?.as_u64()?;
-    let completion = u
-        .get("completion_tokens")
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
+    let num = |k: &str| u.get(k).and_then(Value::as_u64);
+    let read = num("cache_read_input_tokens");
+    let written = num("cache_creation_input_tokens").unwrap_or(0);
+    let (prompt, completion, cached) = match num("prompt_tokens") {
+        Some(prompt) => {
+            let cached = u
+                .get("prompt_tokens_details")
+                .and_then(|d| d.get("cached_tokens"))
+                .and_then(Value::as_u64)
+                .or(read)
+                .unwrap_or(0);
+            (prompt, num("completion_tokens").unwrap_or(0), cached)
+        }
+        None => {
+            let input = num("input_tokens")?;
+            let read = read.unwrap_or(0);
+            let prompt = input.checked_add(read)?.checked_add(written)?;
+            (prompt, num("output_tokens").unwrap_or(0), read)
+        }
+    };
     if prompt > MAX_REPORTED_TOKENS || completion > MAX_REPORTED_TOKENS {
         return None;
     }
-    let cached = u
-        .get("prompt_tokens_details")
-        .and_then(|d| d.get("cached_tokens"))
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
+    let cached = cached.min(prompt);
     Some(Usage {
         prompt_tokens: prompt,
         completion_tokens: completion,
-        cached_tokens: cached.min(prompt),
+        cached_tokens: cached,
+        cache_write_tokens: written.min(prompt - cached),
     })
 }
 
@@ -358,7 +378,8 @@ mod tests {
             Some(Usage {
                 prompt_tokens: 10,
                 completion_tokens: 3,
-                cached_tokens: 4
+                cached_tokens: 4,
+                cache_write_tokens: 0,
             })
         );
     }
@@ -442,5 +463,78 @@ mod tests {
             b,
             serde_json::json!({"messages":[],"model":"up","top_p":0.5})
         );
+    }
+}
+
+#[cfg(test)]
+mod usage_pricing_tests {
+    use super::*;
+    use crate::cost::{Price, checked_cost};
+    use rust_decimal::Decimal;
+    use std::str::FromStr;
+
+    fn priced(body: &str, price: &Price) -> (Usage, Decimal) {
+        let v: Value = serde_json::from_str(body).expect("json");
+        let u = parse_usage(&v).expect("usage");
+        (u, checked_cost(&u, price).expect("cost"))
+    }
+
+    fn d(s: &str) -> Decimal {
+        Decimal::from_str(s).expect("decimal")
+    }
+
+    /// Each prompt token at exactly one price, against figures computed by hand.
+    #[test]
+    fn cache_reads_writes_and_reasoning_are_priced_once() {
+        let claude = Price {
+            input_per_mtok: d("3"),
+            output_per_mtok: d("15"),
+            cached_input_per_mtok: Some(d("0.30")),
+            cache_write_per_mtok: Some(d("3.75")),
+        };
+        // Anthropic's shape: input_tokens excludes the cache.
+        // 100 x 3 + 1000 x 0.30 + 2000 x 3.75 + 50 x 15 = 8850 per million = 0.00885
+        let (u, c) = priced(
+            r#"{"usage":{"input_tokens":100,"cache_read_input_tokens":1000,"cache_creation_input_tokens":2000,"output_tokens":50}}"#,
+            &claude,
+        );
+        assert_eq!(
+            (u.prompt_tokens, u.cached_tokens, u.cache_write_tokens),
+            (3100, 1000, 2000)
+        );
+        assert_eq!(c, d("0.00885"));
+        // An aggregator relaying it in OpenAI's shape (prompt_tokens includes both): same.
+        let (_, c) = priced(
+            r#"{"usage":{"prompt_tokens":3100,"completion_tokens":50,"cache_read_input_tokens":1000,"cache_creation_input_tokens":2000}}"#,
+            &claude,
+        );
+        assert_eq!(c, d("0.00885"));
+        // OpenAI's shape, reasoning inside completion_tokens (billed once, as output):
+        // 600 x 2 + 400 x 0.5 + 200 x 8 = 3000 per million = 0.003
+        let gpt = Price {
+            input_per_mtok: d("2"),
+            output_per_mtok: d("8"),
+            cached_input_per_mtok: Some(d("0.5")),
+            cache_write_per_mtok: None,
+        };
+        let (u, c) = priced(
+            r#"{"usage":{"prompt_tokens":1000,"completion_tokens":200,"prompt_tokens_details":{"cached_tokens":400},"completion_tokens_details":{"reasoning_tokens":150}}}"#,
+            &gpt,
+        );
+        assert_eq!((u.cached_tokens, u.cache_write_tokens), (400, 0));
+        assert_eq!(c, d("0.003"));
+        // No cache-write price: written tokens cost the input price, never twice.
+        // 100 x 2 + 2000 x 2 + 50 x 8 = 4600 per million
+        let (_, c) = priced(
+            r#"{"usage":{"input_tokens":100,"cache_creation_input_tokens":2000,"output_tokens":50}}"#,
+            &gpt,
+        );
+        assert_eq!(c, d("0.0046"));
+        // Nonsense (more cached + written than the prompt) is capped, never negative.
+        let (u, _) = priced(
+            r#"{"usage":{"prompt_tokens":10,"completion_tokens":1,"cache_read_input_tokens":8,"cache_creation_input_tokens":8}}"#,
+            &claude,
+        );
+        assert_eq!((u.cached_tokens, u.cache_write_tokens), (8, 2));
     }
 }

@@ -62,12 +62,14 @@ pub fn worst_case(body: &Map<String, Value>, model: &ModelConfig) -> Result<Deci
         input_per_mtok: model.input_per_mtok,
         output_per_mtok: model.output_per_mtok,
         cached_input_per_mtok: None,
+        cache_write_per_mtok: None,
     };
     cost::checked_cost(
         &Usage {
             prompt_tokens: prompt_token_bound(body),
             completion_tokens: output_token_bound(body, model),
             cached_tokens: 0,
+            cache_write_tokens: 0,
         },
         &price,
     )

@@ -421,11 +421,21 @@ fn arb_price() -> impl Strategy<Value = Decimal> {
 }
 
 fn arb_usage(max: u64) -> impl Strategy<Value = Usage> {
-    (0..=max, 0..=max, any::<prop::sample::Index>()).prop_map(|(p, c, i)| Usage {
-        prompt_tokens: p,
-        completion_tokens: c,
-        cached_tokens: i.index(p as usize + 1) as u64,
-    })
+    (
+        0..=max,
+        0..=max,
+        any::<prop::sample::Index>(),
+        any::<prop::sample::Index>(),
+    )
+        .prop_map(|(p, c, i, w)| {
+            let cached = i.index(p as usize + 1) as u64;
+            Usage {
+                prompt_tokens: p,
+                completion_tokens: c,
+                cached_tokens: cached,
+                cache_write_tokens: w.index((p - cached) as usize + 1) as u64,
+            }
+        })
 }
 
 // ---------------------------------------------------------------- job::parse
@@ -593,6 +603,7 @@ proptest! {
                 prompt_tokens: prompt,
                 completion_tokens: completion,
                 cached_tokens: cached.min(prompt),
+                cache_write_tokens: 0,
             });
         prop_assert_eq!(out.usage, want);
     }
@@ -681,7 +692,7 @@ proptest! {
         a in arb_usage(100_000_000),
         b in arb_usage(100_000_000),
     ) {
-        let price = Price { input_per_mtok: input, output_per_mtok: output, cached_input_per_mtok: cached_price };
+        let price = Price { input_per_mtok: input, output_per_mtok: output, cached_input_per_mtok: cached_price, cache_write_per_mtok: None };
         let (ca, cb) = (cost::cost(&a, &price), cost::cost(&b, &price));
         let mut sum = a;
         sum.add(&b);
@@ -711,7 +722,7 @@ proptest! {
             prop_assert!(p > MAX_REPORTED_TOKENS || c > MAX_REPORTED_TOKENS);
             return Ok(());
         };
-        let price = Price { input_per_mtok: input, output_per_mtok: output, cached_input_per_mtok: cached_price };
+        let price = Price { input_per_mtok: input, output_per_mtok: output, cached_input_per_mtok: cached_price, cache_write_per_mtok: None };
         let total = cost::cost(&u, &price);
         prop_assert!(total >= Decimal::ZERO);
         let cap = Decimal::new(1_000_000_000, 6);

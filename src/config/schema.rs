@@ -175,6 +175,10 @@ pub struct ModelConfig {
     /// USD per million cached input tokens; absent = cached tokens cost `input_per_mtok`.
     #[serde(default, with = "opt_price", skip_serializing_if = "Option::is_none")]
     pub cached_input_per_mtok: Option<Decimal>,
+    /// USD per million input tokens written to the prompt cache (Anthropic-style cache
+    /// creation); absent = they cost `input_per_mtok`.
+    #[serde(default, with = "opt_price", skip_serializing_if = "Option::is_none")]
+    pub cache_write_per_mtok: Option<Decimal>,
     /// Largest prompt plus completion, in tokens, the model accepts (> 0).
     pub context_window: u64,
     /// The model's output cap when a job sets no `max_tokens`: bounds the worst-case

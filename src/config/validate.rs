@@ -279,6 +279,9 @@ impl Config {
             )?;
             check_price(format!("models.{name}.input_per_mtok"), m.input_per_mtok)?;
             check_price(format!("models.{name}.output_per_mtok"), m.output_per_mtok)?;
+            if let Some(c) = m.cache_write_per_mtok {
+                check_price(format!("models.{name}.cache_write_per_mtok"), c)?;
+            }
             if let Some(c) = m.cached_input_per_mtok {
                 check_price(format!("models.{name}.cached_input_per_mtok"), c)?;
             }

@@ -121,6 +121,7 @@ impl Spent {
                 prompt_tokens: m.input_tokens,
                 completion_tokens: m.output_tokens,
                 cached_tokens: m.cached_tokens,
+                cache_write_tokens: 0,
             };
             s.bill.usage.add(&usage);
             s.bill.cost = s.bill.cost.saturating_add(m.cost_usd);
@@ -176,6 +177,7 @@ mod tests {
             input_per_mtok: Decimal::new(14, 2),
             output_per_mtok: Decimal::new(42, 2),
             cached_input_per_mtok: Some(Decimal::new(28, 3)),
+            cache_write_per_mtok: None,
         };
         let mut s = Spent::default();
         s.start_call("m1");
@@ -185,6 +187,7 @@ mod tests {
                 prompt_tokens: 7,
                 completion_tokens: 3,
                 cached_tokens: 2,
+                cache_write_tokens: 0,
             }),
             &price,
         );

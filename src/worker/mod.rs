@@ -115,6 +115,7 @@ impl Worker {
                         input_per_mtok: m.input_per_mtok,
                         output_per_mtok: m.output_per_mtok,
                         cached_input_per_mtok: m.cached_input_per_mtok,
+                        cache_write_per_mtok: m.cache_write_per_mtok,
                     },
                 )
             })
