@@ -21,6 +21,9 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id, ttl = ARGV[1], tonumber(ARGV[2])
+if redis.call('HEXISTS', KEYS[1], 'r:' .. id) == 1 then
+  return {1} -- a retry of a try whose reply was lost: reserved already
+end
 for i = 1, #KEYS do
   local limit, amount = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
   local all = redis.call('HGETALL', KEYS[i])

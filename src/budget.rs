@@ -34,6 +34,11 @@ pub enum BudgetError {
         worst: String,
         on: OnExhausted,
         what: &'static str,
+        /// The call's worst case is above the whole limit: it can never fit.
+        never_fits: bool,
+        /// The budget covers every model and the whole fleet (no tenant): pausing the
+        /// reader stops nothing it does not cover.
+        covers_all: bool,
     },
     #[error("budget: the call's worst case is not computable: {0} (the model is skipped)")]
     Uncomputable(String),
@@ -93,8 +98,12 @@ impl Budgets {
 
     /// Reserves `worst` USD for one call of `model` for `tenant` in every window that
     /// covers it. `Ok(None)` when no budget covers the call.
+    /// `id` names the reservation: the same id for every try of one call, so a try whose
+    /// reply was lost is not reserved twice (the script answers "reserved" for an id it
+    /// holds already).
     pub async fn reserve(
         &self,
+        id: &str,
         model: &str,
         tenant: Option<&str>,
         worst: Decimal,
@@ -105,7 +114,11 @@ impl Budgets {
         }
         let amount = cost::to_picos(worst)
             .ok_or_else(|| BudgetError::Uncomputable(format!("{worst} USD")))?;
-        let id = uuid::Uuid::new_v4().simple().to_string();
+        if let Some(w) = windows.iter().find(|w| worst > w.limit) {
+            // No amount of waiting makes room: say so now instead of pausing forever.
+            return Err(exhausted(&self.cfg, w, w.limit, worst, true));
+        }
+        let id = id.to_string();
         let mut inv = crate::scripts::BUDGET_RESERVE.prepare_invoke();
         inv.arg(&id).arg(self.ttl.as_millis() as u64);
         for w in &windows {
@@ -124,42 +137,33 @@ impl Budgets {
         }
         let i = reply.get(1).copied().unwrap_or(1).max(1) as usize - 1;
         let left = cost::from_picos(reply.get(2).copied().unwrap_or(0));
-        let w = windows
-            .get(i)
-            .cloned()
-            .unwrap_or_else(|| windows[0].clone());
-        let what = match w.on {
-            OnExhausted::Fail => "the job fails (on_exhausted = \"fail\")",
-            OnExhausted::Cheaper => {
-                "a cheaper model of the route is tried (on_exhausted = \"cheaper\")"
-            }
-            OnExhausted::Pause => {
-                "jobs it covers wait until it has room or its window ends (on_exhausted = \"pause\")"
-            }
-        };
-        metrics::counter!("llm_worker_budget_exhausted_total", "budget" => w.name.clone())
-            .increment(1);
-        Err(BudgetError::Exhausted {
-            name: w.name,
-            window: w.period,
-            left: cost::format_usd(left),
-            limit: cost::format_usd(w.limit),
-            worst: cost::format_usd(worst),
-            on: w.on,
-            what,
-        })
+        let w = windows.get(i).unwrap_or(&windows[0]);
+        Err(exhausted(&self.cfg, w, left, worst, false))
     }
 
     /// Settles `r` to the call's real `cost` (0 when the provider billed nothing).
-    pub async fn settle(&self, r: &Reservation, cost: Decimal) -> Result<(), BudgetError> {
+    /// `first` = no earlier try of this settle can have reached Redis: then the cost is
+    /// counted even where the reservation has expired meanwhile (Redis away longer than
+    /// its ttl); a retry after a try that may have run counts only where the reservation
+    /// is still held, so one settle never counts twice. `Err((e, sent))`: `sent` = this
+    /// try may have reached Redis.
+    pub async fn settle(
+        &self,
+        r: &Reservation,
+        cost: Decimal,
+        first: bool,
+    ) -> Result<(), (BudgetError, bool)> {
         let picos = cost::to_picos(cost).unwrap_or(0);
         let mut inv = crate::scripts::BUDGET_SETTLE.prepare_invoke();
         for k in &r.keys {
             inv.key(k);
         }
-        inv.arg(&r.id).arg(picos);
-        let mut conn = self.conn.get().await?;
-        let settled: i64 = inv.invoke_async(&mut conn).await?;
+        inv.arg(&r.id).arg(picos).arg(if first { "1" } else { "0" });
+        let mut conn = self.conn.get().await.map_err(|e| (e.into(), false))?;
+        let settled: i64 = inv
+            .invoke_async(&mut conn)
+            .await
+            .map_err(|e| (e.into(), true))?;
         if settled < r.keys.len() as i64 {
             tracing::warn!(
                 reservation = %r.id,
@@ -251,6 +255,50 @@ pub async fn report(
         }
     }
     Ok(out)
+}
+
+fn exhausted(
+    cfg: &Config,
+    w: &Window,
+    left: Decimal,
+    worst: Decimal,
+    never_fits: bool,
+) -> BudgetError {
+    let b = cfg.budgets.get(&w.name);
+    let covers_all = b.is_some_and(|b| b.models.is_empty() && b.tenant.is_empty());
+    let (on, what) = match (w.on, never_fits) {
+        (OnExhausted::Fail, true) => (
+            OnExhausted::Fail,
+            "the call can never fit it: the job fails (lower max_tokens, or raise the budget)",
+        ),
+        (OnExhausted::Pause, true) => (
+            OnExhausted::Cheaper,
+            "the call can never fit it, so waiting cannot help: another model of the route is tried, else the job fails (lower max_tokens, or raise the budget)",
+        ),
+        (OnExhausted::Fail, false) => {
+            (OnExhausted::Fail, "the job fails (on_exhausted = \"fail\")")
+        }
+        (OnExhausted::Cheaper, _) => (
+            OnExhausted::Cheaper,
+            "a cheaper model of the route is tried (on_exhausted = \"cheaper\")",
+        ),
+        (OnExhausted::Pause, false) => (
+            OnExhausted::Pause,
+            "jobs it covers wait until it has room or its window ends (on_exhausted = \"pause\")",
+        ),
+    };
+    metrics::counter!("llm_worker_budget_exhausted_total", "budget" => w.name.clone()).increment(1);
+    BudgetError::Exhausted {
+        name: w.name.clone(),
+        window: w.period.clone(),
+        left: cost::format_usd(left),
+        limit: cost::format_usd(w.limit),
+        worst: cost::format_usd(worst),
+        on,
+        what,
+        never_fits,
+        covers_all,
+    }
 }
 
 fn now_ms() -> u64 {

@@ -42,6 +42,23 @@ pub struct Outcome {
     pub result: Result<Completion, CallError>,
 }
 
+/// Prefix of the message of a call that never reached the provider (nothing billed).
+const NOT_SENT: &str = "connection failed";
+
+impl Outcome {
+    /// The provider may have billed this call but did not say for how much: a success
+    /// without usage, or a request sent and then cut off (timeout, reset). Budgets and
+    /// per-job caps count such a call at its worst case. An HTTP error answer without
+    /// usage, or a connection never made, is not billed.
+    pub fn cost_unknown(&self) -> bool {
+        self.usage.is_none()
+            && match &self.result {
+                Ok(_) => true,
+                Err(e) => e.status.is_none() && !e.message.starts_with(NOT_SENT),
+            }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
     /// `error` is printed in the message, so it is not also the `source()` (see
@@ -126,7 +143,7 @@ fn transport_error(e: &reqwest::Error) -> Outcome {
     let what = if e.is_timeout() {
         "timed out"
     } else if e.is_connect() {
-        "connection failed"
+        NOT_SENT
     } else {
         "transport error"
     };

@@ -8,8 +8,9 @@
 //!   BPE tokenizers these APIs use covers at least one byte of text, and the JSON
 //!   syntax around each message (`{"role":"user","content":""}`, 29 bytes) exceeds the
 //!   few tokens of chat formatting a provider adds per message;
-//! - output tokens <= the job's `max_tokens` (or `max_completion_tokens`), else the
-//!   model's `max_output_tokens`, else its whole `context_window`;
+//! - output tokens <= the larger of the job's `max_tokens` and `max_completion_tokens`
+//!   (providers honour one or the other), else the model's `max_output_tokens`, else its
+//!   whole `context_window`;
 //! - cached input is priced as uncached input (the dearer of the two).
 
 use crate::config::{Config, ModelConfig};
@@ -51,7 +52,7 @@ pub fn output_token_bound(body: &Map<String, Value>, model: &ModelConfig) -> u64
     ["max_tokens", "max_completion_tokens"]
         .iter()
         .filter_map(|f| body.get(*f).and_then(Value::as_u64))
-        .min()
+        .max()
         .or(model.max_output_tokens)
         .unwrap_or(model.context_window)
 }
@@ -180,8 +181,8 @@ none = []
         );
         assert_eq!(
             output_token_bound(&b, &c.models["dear"]),
-            7,
-            "the smaller cap"
+            9,
+            "the larger cap: providers honour either"
         );
     }
 

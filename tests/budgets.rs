@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use llm_worker::sim::SimOptions;
+use llm_worker::sim::{Fault, SimOptions};
 use redis::AsyncCommands;
 use rust_decimal::Decimal;
 use std::collections::HashMap;
@@ -298,7 +298,7 @@ async fn reservations_of_a_killed_worker_expire() {
     );
     // The whole budget minus nothing: a reservation of the full limit fits.
     let r = budgets
-        .reserve("m1", None, s.limit)
+        .reserve("probe", "m1", None, s.limit)
         .await
         .expect("the whole budget is free again");
     assert!(r.is_some());
@@ -307,5 +307,227 @@ async fn reservations_of_a_killed_worker_expire() {
         h.keys().filter(|f| f.starts_with("r:")).count(),
         1,
         "expired ones dropped: {h:?}"
+    );
+}
+
+fn worst_of(cfg: &llm_worker::config::Config, payload: &str, model: &str) -> Decimal {
+    let job = llm_worker::job::parse(Some(payload.as_bytes()), "1-0", 1 << 20, cfg).expect("valid");
+    llm_worker::quota::worst_case(&job.body, &cfg.models[model]).expect("computable")
+}
+
+fn calls_to(sim: &SimHandle, model: &str) -> u64 {
+    sim.sim
+        .stats()
+        .requests
+        .get(model)
+        .map(|m| m.values().sum())
+        .unwrap_or(0)
+}
+
+/// Review finding (tests first): a pause budget whose limit is below one call's worst case can never have room:
+/// the job waits forever (no `budget:` failure), and the reader pause it keeps renewing
+/// stops the worker taking ANY job, even one on a model the budget does not cover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_budget_never_stalls_jobs_it_does_not_cover_nor_waits_for_a_call_that_can_never_fit()
+ {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.extra = "[budgets.m1only]\nusd_per_day = \"0.000001\"\nmodels = [\"m1\"]\non_exhausted = \"pause\"\n".into();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let a = r#"{"id":"a","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#;
+    eprintln!(
+        "worst(a, m1) = {} > limit 0.000001",
+        worst_of(&tc.parsed(), a, "m1")
+    );
+    push(&mut conn, "llm", &[a.to_string()]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    // A job on m2, which no budget covers.
+    let b =
+        r#"{"id":"b","model":"m2","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#;
+    push(&mut conn, "llm", &[b.to_string()]).await;
+    let got = wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(15)).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    stop_clean(&mut w, T).await;
+    context(got, &[&w]).expect("both jobs have a result");
+    let by_id: HashMap<&str, &HashMap<String, String>> = results
+        .iter()
+        .map(|(_, r)| (r["job_id"].as_str(), r))
+        .collect();
+    assert_eq!(by_id["b"]["status"], "ok", "{results:?}");
+    assert_eq!(by_id["b"]["model"], "m2", "{results:?}");
+    // a: a call of m1 can never fit the budget, so waiting cannot help: the route's next
+    // model (not covered) runs it, and m1 is never called.
+    assert_eq!(by_id["a"]["status"], "ok", "{results:?}");
+    assert_eq!(by_id["a"]["model"], "m2", "{results:?}");
+    assert_eq!(by_id["a"]["tried"], "m2", "{results:?}");
+    assert_eq!(calls_to(&sim, "m1"), 0);
+    assert!(
+        !w.log().contains("pausing: taking no new jobs"),
+        "{}",
+        w.log()
+    );
+}
+
+/// Review finding (tests first): the output bound takes the SMALLER of max_tokens / max_completion_tokens, but
+/// providers (and the sim) honour max_completion_tokens: a job's real cost exceeds its
+/// max_cost_usd, and 50 concurrent jobs overspend a `fail` budget of 10 worst cases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_completion_tokens_above_max_tokens_keeps_cap_and_budget() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 200,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 50;
+    tc.slots = 50;
+    let pl = |i: usize, cap: &str| {
+        format!(
+            r#"{{"id":"c{i:02}","model":"m2","messages":[{{"role":"user","content":"hello there {i:02}"}}],"max_tokens":1,"max_completion_tokens":128,"max_cost_usd":"{cap}"}}"#
+        )
+    };
+    let parsed = tc.parsed();
+    // 14-char placeholder, then the real cap formatted to the same width: same bytes.
+    let worst = worst_of(&parsed, &pl(0, "0.000000000000"), "m2");
+    let cap = format!("{:.12}", worst);
+    assert_eq!(cap.len(), 14, "{cap}");
+    let limit = worst * Decimal::from(10);
+    tc.extra = format!(
+        "[budgets.ten]\nusd_per_day = \"{limit}\"\nmodels = [\"m2\"]\non_exhausted = \"fail\"\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let all: Vec<String> = (0..50).map(|i| pl(i, &cap)).collect();
+    push(&mut conn, "llm", &all).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    context(wait_len(&mut conn, "{llm}:results", 50, T).await, &[&w]).expect("50 results");
+    let results = entries(&mut conn, "{llm}:results").await;
+    stop_clean(&mut w, T).await;
+    let ok: Vec<_> = results
+        .iter()
+        .filter(|(_, r)| r["status"] == "ok")
+        .collect();
+    let spent: Decimal = results
+        .iter()
+        .map(|(_, r)| r["cost_usd"].parse::<Decimal>().unwrap_or_default())
+        .sum();
+    let over_cap = ok
+        .iter()
+        .filter(|(_, r)| r["cost_usd"].parse::<Decimal>().unwrap() > worst)
+        .count();
+    eprintln!(
+        "max_cost_usd {cap}: {} ok, {over_cap} of them cost more than the cap (e.g. {}); budget {limit}: spent {spent}",
+        ok.len(),
+        ok.first()
+            .map(|(_, r)| r["cost_usd"].clone())
+            .unwrap_or_default()
+    );
+    assert_eq!(over_cap, 0, "per-job cap exceeded");
+    assert!(spent <= limit, "budget overspent: {spent} > {limit}");
+}
+
+/// Review finding (tests first): a call that times out (no usage) is settled at 0 and adds 0 to the job's spent,
+/// though the provider may bill it in full: the per-job cap and the budget stop nothing,
+/// the job makes max_attempts calls whose worst cases together exceed both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_calls_count_their_worst_case_against_cap_and_budget() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![always("*", Fault::Hang)],
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    let pl = |cap: &str| {
+        format!(
+            r#"{{"id":"t1","messages":[{{"role":"user","content":"hi"}}],"max_tokens":16,"max_cost_usd":"{cap}"}}"#
+        )
+    };
+    let worst = worst_of(&tc.parsed(), &pl("0.000000000000"), "m1");
+    let cap = format!("{:.12}", worst * Decimal::new(15, 1));
+    tc.extra = format!(
+        "[budgets.m1]\nusd_per_day = \"{cap}\"\nmodels = [\"m1\"]\non_exhausted = \"fail\"\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[pl(&cap)]).await;
+    let env = [
+        ("LLM_WORKER__PROVIDERS__P1__TIMEOUT_MS", "300"),
+        ("LLM_WORKER__PROVIDERS__P2__TIMEOUT_MS", "300"),
+    ];
+    let mut w = WorkerProc::spawn(&cfg, "w1", &env);
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w]).expect("1 result");
+    let results = entries(&mut conn, "{llm}:results").await;
+    stop_clean(&mut w, T).await;
+    let keys: Vec<String> = conn.keys("{llm}:budget:*").await.unwrap();
+    let h: HashMap<String, String> = conn.hgetall(&keys[0]).await.unwrap();
+    let n = calls_to(&sim, "m1");
+    eprintln!(
+        "cap = budget = 1.5 x worst {worst}; m1 calls {n} (worst total {}); result {:?}; window {h:?}",
+        worst * Decimal::from(n),
+        results[0].1
+    );
+    assert!(
+        n <= 1,
+        "{n} calls of worst case {worst} each under a cap/budget of {cap}"
+    );
+}
+
+/// Review finding (tests first): settle gives up after ~1.5 s of Redis errors (5 tries, 100..800 ms apart); the
+/// reservation then expires and the paid call's cost never reaches `spent`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_survives_redis_down_for_a_few_seconds() {
+    let mut redis = RedisServer::start_opts(true);
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 1500,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 1000;
+    tc.extra = "[budgets.all]\nusd_per_day = \"1\"\non_exhausted = \"fail\"\n".into();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let env = [
+        ("LLM_WORKER__PROVIDERS__P1__TIMEOUT_MS", "3000"),
+        ("LLM_WORKER__PROVIDERS__P2__TIMEOUT_MS", "3000"),
+    ];
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("s1", "hello")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &env);
+    assert!(in_flight_at_least(&sim, 1, T).await, "{}", w.log());
+    tokio::task::block_in_place(|| redis.stop());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    tokio::task::block_in_place(|| redis.restart());
+    let mut conn = redis.conn().await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w]).expect("1 result");
+    let results = entries(&mut conn, "{llm}:results").await;
+    // reservation ttl = 3 s timeout + 2 x 1 s slot ttl = 5 s
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let keys: Vec<String> = conn.keys("{llm}:budget:*").await.unwrap();
+    let h: HashMap<String, String> = match keys.first() {
+        Some(k) => conn.hgetall(k).await.unwrap(),
+        None => HashMap::new(),
+    };
+    let log = w.log();
+    stop_clean(&mut w, T).await;
+    eprintln!(
+        "result cost {}; window {h:?}; settle log: {:?}",
+        results[0].1["cost_usd"],
+        log.lines()
+            .filter(|l| l.contains("settle"))
+            .collect::<Vec<_>>()
+    );
+    let spent: i64 = h.get("spent").and_then(|s| s.parse().ok()).unwrap_or(0);
+    assert!(
+        spent > 0,
+        "a paid call ({}) is not counted in the budget",
+        results[0].1["cost_usd"]
     );
 }

@@ -75,6 +75,17 @@ pub(super) struct Spent {
     /// A provider call was started in this delivery: a hand-back of it counts as a
     /// delivery (`queue.max_deliveries`); one that never called a model does not.
     pub(super) called: bool,
+    /// Worst cases of this delivery's calls whose cost is unknown (a success without
+    /// usage, a call cut off after it was sent): counted against the job's
+    /// `max_cost_usd`, not billed.
+    pub(super) unknown_worst: Decimal,
+}
+
+impl Spent {
+    /// What the job's cost cap counts: billed plus the worst cases of unknown costs.
+    pub(super) fn counted(&self) -> Decimal {
+        self.bill.cost.saturating_add(self.unknown_worst)
+    }
 }
 
 /// The `_billed` field of a handed-back entry (JSON; tokens and calls per model, cost as

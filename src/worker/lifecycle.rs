@@ -331,7 +331,7 @@ impl Worker {
             // Draining: no provider call starts after the first signal (the job is handed
             // back). Checked before each wait and once more with the slot in hand.
             if let Some(cap) = job.max_cost_usd
-                && let Err(e) = within_cap(&mut plan, cap, lock(spent).bill.cost, &worst)
+                && let Err(e) = within_cap(&mut plan, cap, lock(spent).counted(), &worst)
             {
                 break Finished::Failed(e.to_string());
             }
@@ -380,9 +380,14 @@ impl Worker {
                     release_unused(lease).await;
                     break Finished::Failed(e);
                 }
-                Reserved::Pause(e) => {
+                Reserved::Pause(e, covers_all) => {
                     release_unused(lease).await;
-                    self.pause_for_budget(&e);
+                    if covers_all {
+                        // Every job would wait for it: take no new ones meanwhile. A budget
+                        // covering some models or one tenant pauses only the jobs it
+                        // covers (each waits here; the reader goes on).
+                        self.pause_for_budget(&e);
+                    }
                     self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
                         .await?;
                     continue;
@@ -406,12 +411,20 @@ impl Worker {
                         // The call's real cost replaces its worst case in the budgets. A
                         // success without usage may have been billed anything up to the
                         // worst case: that is what stays counted.
+                        // A call cut off after it was sent (timeout, reset) is counted the
+                        // same way: the provider may bill it.
                         let real = match outcome.usage {
                             Some(u) => crate::cost::checked_cost(&u, price).ok(),
-                            None if outcome.result.is_ok() => None,
+                            None if outcome.cost_unknown() => None,
                             None => Some(rust_decimal::Decimal::ZERO),
                         };
                         self.settle_detached(r, real);
+                    }
+                    if outcome.cost_unknown()
+                        && let Some(Ok(w)) = worst.get(plan.current_index())
+                    {
+                        // Its cap counts it at its worst case too.
+                        s.unknown_worst = s.unknown_worst.saturating_add(*w);
                     }
                     s.bill.add(&cand.model, outcome.usage, price);
                 }
@@ -595,6 +608,9 @@ fn within_cap(
     Err(quota::over_cap(cap, spent, &left))
 }
 
+/// How long a budget settle is retried while Redis does not answer.
+const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
+
 /// How often a job paused by a budget (`on_exhausted = "pause"`) checks it again.
 const BUDGET_PAUSE_POLL: Duration = Duration::from_secs(2);
 
@@ -606,8 +622,9 @@ enum Reserved {
     Skip(String),
     /// The job fails with this (`fail`).
     Fail(String),
-    /// Wait and try again (`pause`).
-    Pause(String),
+    /// Wait and try again (`pause`); `true` = the budget covers every job (the reader
+    /// then takes no new jobs meanwhile).
+    Pause(String, bool),
     /// Draining: the job is left for hand-back.
     Stopped,
 }
@@ -628,18 +645,22 @@ impl Worker {
             None => return Reserved::Skip(format!("budget: unknown model {model}")),
         };
         let mut backoff = Backoff::redis();
+        // One id for every try: a try whose reply was lost is not reserved twice.
+        let id = uuid::Uuid::new_v4().simple().to_string();
         loop {
             match self
                 .budgets
-                .reserve(model, job.tenant.as_deref(), worst)
+                .reserve(&id, model, job.tenant.as_deref(), worst)
                 .await
             {
                 Ok(r) => return Reserved::Yes(r.map(|r| (r, worst))),
-                Err(e @ crate::budget::BudgetError::Exhausted { on, .. }) => {
+                Err(e @ crate::budget::BudgetError::Exhausted { on, covers_all, .. }) => {
                     return match on {
                         crate::config::OnExhausted::Fail => Reserved::Fail(e.to_string()),
                         crate::config::OnExhausted::Cheaper => Reserved::Skip(e.to_string()),
-                        crate::config::OnExhausted::Pause => Reserved::Pause(e.to_string()),
+                        crate::config::OnExhausted::Pause => {
+                            Reserved::Pause(e.to_string(), covers_all)
+                        }
                     };
                 }
                 Err(e @ crate::budget::BudgetError::Uncomputable(_)) => {
@@ -669,19 +690,32 @@ impl Worker {
         let budgets = self.budgets.clone();
         let cost = real.unwrap_or(worst);
         self.releases.spawn(async move {
-            // A few tries: settling is idempotent, and an unsettled reservation only
-            // keeps the worst case counted until it expires.
-            for attempt in 0..5u32 {
-                match tokio::time::timeout(RELEASE_BOUND, budgets.settle(&r, cost)).await {
+            // Until Redis answers (a paid call must reach the budget), bounded so a
+            // worker never keeps a task forever: after SETTLE_GIVE_UP the cost is lost to
+            // the budget and logged.
+            let started = Instant::now();
+            let mut first = true;
+            let mut wait = Duration::from_millis(100);
+            loop {
+                match tokio::time::timeout(RELEASE_BOUND, budgets.settle(&r, cost, first)).await {
                     Ok(Ok(())) => return,
-                    Ok(Err(e)) if attempt == 4 => {
-                        tracing::warn!(error = %e, "budget settle failed; the worst case stays reserved until it expires");
+                    Ok(Err((e, sent))) => {
+                        first &= !sent;
+                        if started.elapsed() > SETTLE_GIVE_UP {
+                            tracing::error!(error = %e, "budget settle failed for 10 minutes; this call's cost is not in the budget");
+                            return;
+                        }
                     }
-                    Err(_) if attempt == 4 => {
-                        tracing::warn!("budget settle timed out; the worst case stays reserved until it expires");
+                    Err(_) => {
+                        first = false; // it may have run
+                        if started.elapsed() > SETTLE_GIVE_UP {
+                            tracing::error!("budget settle timed out for 10 minutes; this call's cost is not in the budget");
+                            return;
+                        }
                     }
-                    _ => tokio::time::sleep(Duration::from_millis(100 << attempt)).await,
                 }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
             }
         });
     }
