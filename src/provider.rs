@@ -40,6 +40,9 @@ pub struct Outcome {
     /// Tokens the response reported, ok or not; `None` when it reported none.
     pub usage: Option<Usage>,
     pub result: Result<Completion, CallError>,
+    /// The response's `usage` object exactly as the provider sent it (for the result's
+    /// `usage` field, so a cost can be re-priced later).
+    pub raw_usage: Option<Value>,
 }
 
 /// Prefix of the message of a call that never reached the provider (nothing billed).
@@ -150,6 +153,7 @@ fn transport_error(e: &reqwest::Error) -> Outcome {
     // Display of a reqwest error includes the URL (no secret in it) and the cause.
     Outcome {
         usage: None,
+        raw_usage: None,
         result: Err(CallError {
             class: ErrorClass::Transient,
             status: None,
@@ -281,8 +285,13 @@ pub fn classify(
 ) -> Outcome {
     let json: Option<Value> = serde_json::from_slice(body).ok();
     let usage = json.as_ref().and_then(parse_usage);
+    let raw_usage = usage
+        .and(json.as_ref())
+        .and_then(|v| v.get("usage"))
+        .cloned();
     let fail = |class: ErrorClass, message: String| Outcome {
         usage,
+        raw_usage: raw_usage.clone(),
         result: Err(CallError {
             class,
             status: Some(status.as_u16()),
@@ -332,6 +341,7 @@ pub fn classify(
             .to_string();
         return Outcome {
             usage,
+            raw_usage: raw_usage.clone(),
             result: Ok(Completion {
                 content,
                 finish_reason,

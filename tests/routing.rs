@@ -423,3 +423,41 @@ async fn a_model_the_key_cannot_see_is_left_out_of_routing() {
     assert!(w.log().contains("cannot see these models"), "{}", w.log());
     stop_clean(&mut w, T).await;
 }
+
+/// Every result carries `usage` (issue 10): a JSON array of each billed attempt's usage
+/// object exactly as the provider sent it, so a cost can be re-priced later; its sums
+/// are the result's token counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_carries_the_raw_usage_of_each_billed_attempt() {
+    let mut run = Run::start(
+        SimOptions {
+            cached_fraction: 0.5,
+            ..SimOptions::default()
+        },
+        "",
+        &[],
+    )
+    .await;
+    let r = run.one_result("u1").await;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    let usage: serde_json::Value = serde_json::from_str(&r["usage"]).expect("usage is JSON");
+    let list = usage.as_array().expect("an array");
+    assert_eq!(list.len(), 1, "{usage}");
+    let u = &list[0];
+    assert_eq!(
+        u["prompt_tokens"].to_string(),
+        r["input_tokens"],
+        "{usage} {r:?}"
+    );
+    assert_eq!(
+        u["completion_tokens"].to_string(),
+        r["output_tokens"],
+        "{usage} {r:?}"
+    );
+    assert_eq!(
+        u["prompt_tokens_details"]["cached_tokens"].to_string(),
+        r["cached_tokens"],
+        "the provider's own object, details and all: {usage}"
+    );
+    run.stop().await;
+}

@@ -117,6 +117,9 @@ pub struct ResultEntry {
     pub metadata: Option<String>,
     /// The job's `tenant`, when it gave one.
     pub tenant: Option<String>,
+    /// JSON array of each billed attempt's raw usage object (present when a model call
+    /// was planned, like `cached_tokens`).
+    pub usage: Option<String>,
     pub warning: Option<String>,
 }
 
@@ -152,6 +155,7 @@ impl ResultEntry {
             duplicate_of: None,
             metadata: None,
             tenant: None,
+            usage: None,
             warning: None,
         }
     }
@@ -186,6 +190,7 @@ impl ResultEntry {
         opt(&mut f, "duplicate_of", self.duplicate_of);
         opt(&mut f, "metadata", self.metadata);
         opt(&mut f, "tenant", self.tenant);
+        opt(&mut f, "usage", self.usage);
         opt(&mut f, "warning", self.warning);
         f
     }
@@ -243,6 +248,7 @@ impl ResultEntry {
             duplicate_of: r.opt("duplicate_of")?,
             metadata: r.opt("metadata")?,
             tenant: r.opt("tenant")?,
+            usage: r.opt("usage")?,
             warning: r.opt("warning")?,
         })
     }
@@ -543,6 +549,7 @@ mod tests {
         e.tried = vec!["m0".into(), "m1".into()];
         e.metadata = Some(r#"{"k":1}"#.into());
         e.tenant = Some("acme".into());
+        e.usage = Some(r#"[{"prompt_tokens":10}]"#.into());
         e.warning = Some("ignored stream fields other than payload: x".into());
         e
     }
@@ -811,6 +818,7 @@ mod tests {
             "worker",
             "metadata",
             "tenant",
+            "usage",
             "warning",
             "duplicate_of",
             "reason",

@@ -14,6 +14,8 @@ pub(super) struct Bill {
     pub(super) per_model: BTreeMap<String, (Usage, Decimal, u64)>,
     /// One-line notes for the result's `warning` field (e.g. a provider gave no usage).
     pub(super) warnings: Vec<String>,
+    /// Each billed attempt's `usage` object as the provider sent it, in order.
+    pub(super) raw_usage: Vec<serde_json::Value>,
 }
 
 impl Bill {
@@ -95,6 +97,9 @@ struct Carried {
     attempts: u64,
     tried: Vec<String>,
     models: BTreeMap<String, CarriedModel>,
+    /// The raw usage objects of the billed attempts so far.
+    #[serde(default)]
+    usage: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -127,6 +132,7 @@ impl Spent {
         }
         s.attempts = c.attempts;
         s.tried = c.tried;
+        s.bill.raw_usage = c.usage;
         for (model, m) in c.models {
             let usage = Usage {
                 prompt_tokens: m.input_tokens,
@@ -164,6 +170,7 @@ impl Spent {
                     (m.clone(), cm)
                 })
                 .collect(),
+            usage: self.bill.raw_usage.clone(),
         };
         serde_json::to_vec(&c).ok()
     }
@@ -202,9 +209,16 @@ mod tests {
             }),
             &price,
         );
+        s.bill
+            .raw_usage
+            .push(serde_json::json!({"prompt_tokens": 7, "x": [1]}));
         s.start_call("m1");
         s.start_call("m2");
         let back = Spent::carried(s.carry().as_deref(), "1-0");
+        assert_eq!(
+            back.bill.raw_usage, s.bill.raw_usage,
+            "raw usage travels too"
+        );
         assert_eq!(back.attempts, 3);
         assert_eq!(back.tried, ["m1", "m2"]);
         assert!(!back.called, "a new delivery has not called yet");

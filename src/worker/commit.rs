@@ -245,6 +245,7 @@ impl Worker {
         result.input_tokens = bill.usage.prompt_tokens;
         result.output_tokens = bill.usage.completion_tokens;
         result.cached_tokens = Some(bill.usage.cached_tokens);
+        result.usage = Some(serde_json::Value::from(bill.raw_usage.clone()).to_string());
         result.cost_usd = bill.cost;
         result.attempts = spent.attempts;
         result.tried = spent.tried.clone();

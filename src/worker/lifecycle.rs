@@ -427,6 +427,11 @@ impl Worker {
                         s.unknown_worst = s.unknown_worst.saturating_add(*w);
                     }
                     s.bill.add(&cand.model, outcome.usage, price);
+                    if outcome.usage.is_some()
+                        && let Some(raw) = &outcome.raw_usage
+                    {
+                        s.bill.raw_usage.push(raw.clone());
+                    }
                 }
                 if outcome.usage.is_none() && outcome.result.is_ok() {
                     s.bill.usage_missing(&cand.model);
