@@ -88,7 +88,8 @@ pub async fn run(
     }
     let slots_task = slots.spawn_background(background.clone());
     let budgets = crate::budget::Budgets::new(cfg.clone(), pool.clone());
-    let mut worker = Worker::new(cfg.clone(), queue, slots.clone(), budgets)?;
+    let rates = crate::ratelimit::RateLimits::new(cfg.clone(), pool.clone());
+    let mut worker = Worker::new(cfg.clone(), queue, slots.clone(), budgets, rates)?;
     worker.state = state_holder.clone();
     let worker = Arc::new(worker);
     if let Some(tx) = state_out {

@@ -27,6 +27,7 @@ pub mod outcome;
 pub mod provider;
 pub mod queue;
 pub mod quota;
+pub mod ratelimit;
 pub mod router;
 pub mod scripts;
 pub mod server;

@@ -49,12 +49,18 @@ pub fn prompt_token_bound(body: &Map<String, Value>) -> u64 {
 
 /// Upper bound of the output tokens of one call of `model` for `body`.
 pub fn output_token_bound(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
+    requested_output(body)
+        .or(model.max_output_tokens)
+        .unwrap_or(model.context_window)
+}
+
+/// The output cap the job asks for: the larger of `max_tokens` and
+/// `max_completion_tokens` (providers honour one or the other).
+pub fn requested_output(body: &Map<String, Value>) -> Option<u64> {
     ["max_tokens", "max_completion_tokens"]
         .iter()
         .filter_map(|f| body.get(*f).and_then(Value::as_u64))
         .max()
-        .or(model.max_output_tokens)
-        .unwrap_or(model.context_window)
 }
 
 /// The most one call of `model` for `body` can cost.

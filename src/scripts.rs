@@ -67,3 +67,9 @@ pub static BUDGET_RESERVE: LazyLock<Script> =
 /// Settle a reservation to the call's real cost.
 pub static BUDGET_SETTLE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/budget_settle.lua")));
+/// Admit a call in every fleet-wide rpm/tpm window that covers it.
+pub static RATE_ADMIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/rate_admit.lua")));
+/// Correct a call's token admissions to its real usage.
+pub static RATE_SETTLE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/rate_settle.lua")));

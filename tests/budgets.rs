@@ -531,3 +531,50 @@ async fn a_settle_survives_redis_down_for_a_few_seconds() {
         results[0].1["cost_usd"]
     );
 }
+
+/// Fleet-wide RPM (issue 10): three worker processes share m1's `rpm = 20`: the
+/// simulated provider sees at most 20 calls of m1 in the run (well under a minute), all
+/// 20 used; the jobs held back past `slots.acquire_timeout_ms` run on the route's next
+/// model, and every job ends ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_workers_never_exceed_a_models_rpm_together() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 50,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 12;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = tc.write(dir.path(), "w.toml");
+    let env = [("LLM_WORKER__MODELS__M1__RPM", "20")];
+    let mut conn = redis.conn().await;
+    let all: Vec<String> = (0..90).map(payload).collect();
+    push(&mut conn, "llm", &all).await;
+    let mut ws: Vec<WorkerProc> = (0..3)
+        .map(|i| WorkerProc::spawn(&cfg, &format!("w{i}"), &env))
+        .collect();
+    let started = tokio::time::Instant::now();
+    let waited = wait_len(&mut conn, "{llm}:results", 90, T).await;
+    context(waited, &ws.iter().collect::<Vec<_>>()).expect("90 results");
+    let took = started.elapsed();
+    let results = entries(&mut conn, "{llm}:results").await;
+    let m1 = calls_to(&sim, "m1");
+    let on_m1 = results.iter().filter(|(_, r)| r["model"] == "m1").count();
+    eprintln!(
+        "rpm 20 on m1, 3 workers, 90 jobs in {took:?}: m1 called {m1} times ({on_m1} results), the rest on m2"
+    );
+    assert!(
+        took < Duration::from_secs(55),
+        "the run fits in one window: {took:?}"
+    );
+    assert_eq!(m1, 20, "exactly the limit, fleet-wide");
+    assert!(
+        results.iter().all(|(_, r)| r["status"] == "ok"),
+        "{results:?}"
+    );
+    for w in &mut ws {
+        stop_clean(w, T).await;
+    }
+}

@@ -150,6 +150,12 @@ pub struct ProviderConfig {
     /// stops the worker (exit 2), models it cannot see are left out of routing.
     #[serde(default = "yes")]
     pub validate_key: bool,
+    /// Fleet-wide requests per minute through this provider (all workers together).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpm: Option<NonZeroU64>,
+    /// Fleet-wide tokens per minute through this provider.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<NonZeroU64>,
     /// Filled by validation from `api_key_env`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<Secret>,
@@ -185,6 +191,12 @@ pub struct ModelConfig {
     /// cost checked against a job's `max_cost_usd`. Absent = the whole context window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_output_tokens: Option<u64>,
+    /// Fleet-wide requests per minute of this model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpm: Option<NonZeroU64>,
+    /// Fleet-wide tokens per minute of this model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<NonZeroU64>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

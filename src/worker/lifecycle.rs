@@ -326,6 +326,8 @@ impl Worker {
         // still pending under this worker (not committed meanwhile by the worker it was
         // taken over from). A first delivery skips the round trip.
         let mut check_ours = !job.keyed && (d.deliveries > 1 || d.reclaimed);
+        // Since when the current model has been held back by a fleet-wide rate limit.
+        let mut limited_since: Option<Instant> = None;
         let finished = loop {
             // The local rate limit first: a fleet slot is never held while waiting on it.
             // Draining: no provider call starts after the first signal (the job is handed
@@ -360,6 +362,33 @@ impl Worker {
                     return None;
                 }
             }
+            let admission = match self.admit_rate(&job, &cand.model).await {
+                Admitted::Yes(a) => a,
+                Admitted::Stopped => {
+                    release_unused(lease).await;
+                    return None;
+                }
+                Admitted::Wait(wait) => {
+                    // No slot is held while a fleet-wide rate limit has no room. Limited
+                    // past `slots.acquire_timeout_ms`, a later model of the route runs
+                    // instead (when there is one); else the job waits for room.
+                    release_unused(lease).await;
+                    let since = *limited_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.cfg.slots.acquire_timeout_ms
+                        && !plan.usable_alternatives().is_empty()
+                    {
+                        plan.exclude(plan.current_index());
+                        plan.ensure_usable();
+                        limited_since = None;
+                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                        continue;
+                    }
+                    self.unless_draining(tokio::time::sleep(wait.min(Duration::from_secs(1))))
+                        .await?;
+                    continue;
+                }
+            };
+            limited_since = None;
             let reservation = match self.reserve_budget(&job, &cand.model).await {
                 Reserved::Yes(r) => r,
                 Reserved::Stopped => {
@@ -440,6 +469,9 @@ impl Worker {
             // Never awaited here: nothing (a slow Redis, `abort`) may stand between a paid
             // answer and its commit.
             self.release_detached(lease);
+            if let (Some(a), Some(u)) = (admission, outcome.usage) {
+                self.settle_rate_detached(a, u.prompt_tokens.saturating_add(u.completion_tokens));
+            }
             let label = match &outcome.result {
                 Ok(_) => "ok",
                 Err(e) => class_label(&e.class),
@@ -619,6 +651,16 @@ const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 /// How often a job paused by a budget (`on_exhausted = "pause"`) checks it again.
 const BUDGET_PAUSE_POLL: Duration = Duration::from_secs(2);
 
+/// What the fleet-wide rate limits say about one call.
+enum Admitted {
+    /// Go on (with the admission to correct, if any limit covers the call).
+    Yes(Option<crate::ratelimit::Admission>),
+    /// No room: try again after this long.
+    Wait(Duration),
+    /// Draining: the job is left for hand-back.
+    Stopped,
+}
+
 /// What the budgets say about one call.
 enum Reserved {
     /// Go on (with the reservation to settle, if any budget covers the call).
@@ -635,6 +677,60 @@ enum Reserved {
 }
 
 impl Worker {
+    /// Admits one call of `model` for `job` in every fleet-wide rate limit covering it (no
+    /// round trip when none does). Retries while Redis does not answer.
+    async fn admit_rate(&self, job: &job::Job, model: &str) -> Admitted {
+        let Some(mc) = self.cfg.models.get(model) else {
+            return Admitted::Yes(None);
+        };
+        let limited = mc.rpm.is_some()
+            || mc.tpm.is_some()
+            || self
+                .cfg
+                .providers
+                .get(&mc.provider)
+                .is_some_and(|p| p.rpm.is_some() || p.tpm.is_some());
+        if !limited {
+            return Admitted::Yes(None);
+        }
+        let tokens = crate::ratelimit::token_estimate(&job.body, mc);
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let mut backoff = Backoff::redis();
+        loop {
+            match self.rates.admit(&id, model, tokens).await {
+                Ok(a) => return Admitted::Yes(a),
+                Err(crate::ratelimit::RateError::Limited { wait, .. }) => {
+                    return Admitted::Wait(wait);
+                }
+                Err(e) => {
+                    if backoff.failures() == 0 {
+                        tracing::warn!(error = %e, job = %job.id, "cannot check the fleet-wide rate limit; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return Admitted::Stopped;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Corrects a call's token admission to its real usage, in a tracked task.
+    fn settle_rate_detached(&self, a: crate::ratelimit::Admission, used: u64) {
+        let rates = self.rates.clone();
+        self.releases.spawn(async move {
+            for attempt in 0..5u32 {
+                match tokio::time::timeout(RELEASE_BOUND, rates.settle(&a, used)).await {
+                    Ok(Ok(())) => return,
+                    _ => tokio::time::sleep(Duration::from_millis(100 << attempt)).await,
+                }
+            }
+            tracing::debug!(
+                "rate limit token correction failed; the estimate stays counted for the minute"
+            );
+        });
+    }
+
     /// Reserves the worst case of one call of `model` for `job` in every budget window
     /// covering it (no round trip when no budget is configured). Retries while Redis
     /// does not answer: a call never runs unreserved when a budget covers it.

@@ -88,6 +88,8 @@ pub struct Worker {
     releases: tokio_util::task::TaskTracker,
     /// Fleet-wide spending budgets (reserve before a call, settle after it).
     budgets: crate::budget::Budgets,
+    /// Fleet-wide rpm / tpm limits (admit before a call, correct the tokens after it).
+    rates: crate::ratelimit::RateLimits,
     /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
     /// takes no new jobs (each paused job pushes it on while it still waits).
     paused_until: Mutex<Option<Instant>>,
@@ -99,6 +101,7 @@ impl Worker {
         queue: Queue,
         slots: Slots,
         budgets: crate::budget::Budgets,
+        rates: crate::ratelimit::RateLimits,
     ) -> Result<Worker, WorkerError> {
         let cfg_concurrency = cfg.worker.concurrency();
         let mut providers = HashMap::new();
@@ -143,6 +146,7 @@ impl Worker {
             warned_client_id: std::sync::atomic::AtomicBool::new(false),
             releases: tokio_util::task::TaskTracker::new(),
             budgets,
+            rates,
             paused_until: Mutex::new(None),
         })
     }
