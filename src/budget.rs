@@ -203,24 +203,7 @@ pub async fn report(
         for (period, limit, _) in periods(b, now) {
             let prefix = key_prefix(&cfg.queue.namespace, name);
             let pattern = format!("{prefix}*:{period}");
-            let mut keys: Vec<String> = vec![];
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(c)
-                    .await?;
-                keys.extend(batch);
-                if next == 0 {
-                    break;
-                }
-                cursor = next;
-            }
-            keys.sort();
+            let keys = crate::connect::scan_match(c, &pattern).await?;
             for key in keys {
                 let fields: std::collections::HashMap<String, String> =
                     redis::cmd("HGETALL").arg(&key).query_async(c).await?;

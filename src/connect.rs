@@ -221,3 +221,31 @@ impl redis::aio::ConnectionLike for CommandConn {
         self.conn.get_db()
     }
 }
+
+/// Every key matching `pattern` (SCAN, 1000 at a time; a key may show up twice if the
+/// keyspace is rehashed meanwhile, so callers sort and dedup).
+pub async fn scan_match<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+    pattern: &str,
+) -> Result<Vec<String>, redis::RedisError> {
+    let mut keys: Vec<String> = vec![];
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(batch);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    keys.sort();
+    keys.dedup();
+    Ok(keys)
+}

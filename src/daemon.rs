@@ -89,7 +89,11 @@ pub async fn run(
     let slots_task = slots.spawn_background(background.clone());
     let budgets = crate::budget::Budgets::new(cfg.clone(), pool.clone());
     let rates = crate::ratelimit::RateLimits::new(cfg.clone(), pool.clone());
-    let mut worker = Worker::new(cfg.clone(), queue, slots.clone(), budgets, rates)?;
+    let cooldowns = crate::cooldown::Cooldowns::new(&cfg, pool.clone());
+    // Known before the first job: a worker started during a cooldown routes around it.
+    let _ = tokio::time::timeout(Duration::from_secs(1), cooldowns.refresh()).await;
+    let cooldown_task = cooldowns.spawn_refresh(background.clone());
+    let mut worker = Worker::new(cfg.clone(), queue, slots.clone(), budgets, rates, cooldowns)?;
     worker.state = state_holder.clone();
     let worker = Arc::new(worker);
     if let Some(tx) = state_out {
@@ -117,6 +121,7 @@ pub async fn run(
     tokio::join!(release, worker.remove_own_consumer());
     background.cancel();
     let _ = tokio::time::timeout(Duration::from_millis(300), slots_task).await;
+    let _ = tokio::time::timeout(Duration::from_millis(300), cooldown_task).await;
     if let Some(t) = server_task {
         let _ = tokio::time::timeout(Duration::from_millis(300), t).await;
     }

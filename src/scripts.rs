@@ -73,3 +73,6 @@ pub static RATE_ADMIT: LazyLock<Script> =
 /// Correct a call's token admissions to its real usage.
 pub static RATE_SETTLE: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/rate_settle.lua")));
+/// Set or lengthen a shared cooldown.
+pub static COOLDOWN: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/cooldown.lua")));

@@ -387,6 +387,11 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
             })
         })
         .collect();
+    let cooldowns: Vec<Value> = crate::cooldown::list_with(&cfg.queue.namespace, &mut c)
+        .await?
+        .into_iter()
+        .map(|(what, ms, why)| json!({"what": what, "ms_left": ms, "reason": why}))
+        .collect();
     Ok(json!({
         "redis": crate::config::redact_url(&cfg.redis.url),
         "stream": keys.jobs,
@@ -398,6 +403,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         "pools": pools,
         "cost": {"total_usd": cost::format_usd(cost::from_picos(total_picos)), "models": per_model},
         "budgets": budgets,
+        "cooldowns": cooldowns,
     }))
 }
 
@@ -474,6 +480,15 @@ pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
         "cost total      ${}",
         v["cost"]["total_usd"].as_str().unwrap_or("0")
     )?;
+    for c in v["cooldowns"].as_array().into_iter().flatten() {
+        writeln!(
+            out,
+            "cooldown {:<20} {} ms left  ({})",
+            c["what"].as_str().unwrap_or(""),
+            c["ms_left"],
+            c["reason"].as_str().unwrap_or("")
+        )?;
+    }
     for b in v["budgets"].as_array().into_iter().flatten() {
         writeln!(
             out,

@@ -12,7 +12,7 @@
 mod common;
 
 use common::*;
-use llm_worker::sim::{Fault, SimOptions, SimStats};
+use llm_worker::sim::{Fault, Rule, SimOptions, SimStats};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -460,4 +460,60 @@ async fn a_result_carries_the_raw_usage_of_each_billed_attempt() {
         "the provider's own object, details and all: {usage}"
     );
     run.stop().await;
+}
+
+/// Shared cooldowns (issue 10): worker A's call of m1 gets a 429 with `Retry-After: 20`
+/// (beyond `retry.max_retry_after_ms`, so A moves on to m2) and records the cooldown in
+/// Redis; worker B, another process started afterwards, routes around m1 at once: m1 is
+/// called once in all, and `status` shows the cooldown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cooldown_found_by_one_worker_is_honoured_by_another() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![Rule {
+            first_n: Some(1),
+            ..always(
+                "m1",
+                Fault::RateLimit {
+                    retry_after: Some("20".into()),
+                    retry_after_ms: None,
+                },
+            )
+        }],
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let mut a = WorkerProc::spawn(&cfg, "wa", &[]);
+    push(&mut conn, "llm", &[job("c1", "hi")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&a]).expect("A's result");
+    stop_clean(&mut a, T).await;
+    let st = llm_worker::tools::status(&tc.parsed())
+        .await
+        .expect("status");
+    let cds = st["cooldowns"].as_array().cloned().unwrap_or_default();
+    assert_eq!(cds.len(), 1, "{st}");
+    assert_eq!(cds[0]["what"], "m:m1", "{st}");
+    assert!(
+        cds[0]["ms_left"].as_u64().is_some_and(|ms| ms > 10_000),
+        "{st}"
+    );
+    let mut b = WorkerProc::spawn(&cfg, "wb", &[]);
+    push(&mut conn, "llm", &[job("c2", "hi"), job("c3", "hi")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 3, T).await, &[&b]).expect("B's results");
+    let results = entries(&mut conn, "{llm}:results").await;
+    for (_, r) in &results[1..] {
+        assert_eq!(r["status"], "ok", "{r:?}");
+        assert_eq!(r["model"], "m2", "{r:?}");
+        assert_eq!(r["tried"], "m2", "B never tried m1: {r:?}");
+    }
+    assert_eq!(
+        total_calls(&sim.sim.stats(), "m1"),
+        1,
+        "m1 called once in all"
+    );
+    stop_clean(&mut b, T).await;
 }

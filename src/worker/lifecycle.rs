@@ -329,6 +329,30 @@ impl Worker {
         // Since when the current model has been held back by a fleet-wide rate limit.
         let mut limited_since: Option<Instant> = None;
         let finished = loop {
+            // A model or provider in a shared cooldown: a later model of the route that is
+            // not cooling runs instead; when every one is, wait for this one (no call is
+            // spent rediscovering what another worker found).
+            let (m, p) = (
+                plan.current().model.clone(),
+                plan.current().provider.clone(),
+            );
+            if let Some(left) = self.cooldowns.remaining(&m, &p) {
+                let alt = plan.usable_alternatives().into_iter().find(|&i| {
+                    let c = &plan.candidates()[i];
+                    self.cooldowns.remaining(&c.model, &c.provider).is_none()
+                });
+                match alt {
+                    Some(i) => {
+                        plan.switch_to(i);
+                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                    }
+                    None => {
+                        self.unless_draining(tokio::time::sleep(left.min(Duration::from_secs(5))))
+                            .await?;
+                    }
+                }
+                continue;
+            }
             // The local rate limit first: a fleet slot is never held while waiting on it.
             // Draining: no provider call starts after the first signal (the job is handed
             // back). Checked before each wait and once more with the slot in hand.
@@ -480,6 +504,9 @@ impl Worker {
                 .increment(1);
             metrics::histogram!("llm_worker_provider_call_seconds", "model" => cand.model.clone())
                 .record(call_started.elapsed().as_secs_f64());
+            if outcome.result.is_ok() {
+                self.cooldowns.record(&cand.model, false);
+            }
             match outcome.result {
                 Ok(completion) => {
                     break Finished::Ok {
@@ -488,6 +515,7 @@ impl Worker {
                     };
                 }
                 Err(CallError { class, message, .. }) => {
+                    self.share_cooldown(&cand, &class, &message).await;
                     let decision = plan.on_error(&class, rand::random::<f64>());
                     tracing::debug!(job = %job.id, model = %cand.model, error = %message, ?decision, "attempt failed");
                     match decision {
@@ -650,6 +678,52 @@ const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 
 /// How often a job paused by a budget (`on_exhausted = "pause"`) checks it again.
 const BUDGET_PAUSE_POLL: Duration = Duration::from_secs(2);
+
+impl Worker {
+    /// Shares what a failed call taught about its model or provider: a Retry-After puts
+    /// the model in a cooldown that long, a provider-wide rejection the provider for
+    /// [`crate::cooldown::PROVIDER_REJECTED`], and a model failing most of its recent
+    /// calls cools down for [`crate::cooldown::FAILING`].
+    async fn share_cooldown(&self, cand: &Candidate, class: &ErrorClass, message: &str) {
+        let cd = &self.cooldowns;
+        match class {
+            ErrorClass::RateLimited {
+                retry_after: Some(after),
+            } if !after.is_zero() => {
+                cd.set(
+                    'm',
+                    &cand.model,
+                    *after,
+                    &format!("429 with Retry-After: {message}"),
+                )
+                .await;
+            }
+            ErrorClass::ProviderRejected => {
+                cd.set(
+                    'p',
+                    &cand.provider,
+                    crate::cooldown::PROVIDER_REJECTED,
+                    message,
+                )
+                .await;
+            }
+            _ => {}
+        }
+        let failed = matches!(
+            class,
+            ErrorClass::Transient | ErrorClass::RateLimited { .. }
+        );
+        if failed && cd.record(&cand.model, true) {
+            cd.set(
+                'm',
+                &cand.model,
+                crate::cooldown::FAILING,
+                &format!("most of its calls in the last minute failed; last: {message}"),
+            )
+            .await;
+        }
+    }
+}
 
 /// What the fleet-wide rate limits say about one call.
 enum Admitted {

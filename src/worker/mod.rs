@@ -90,6 +90,8 @@ pub struct Worker {
     budgets: crate::budget::Budgets,
     /// Fleet-wide rpm / tpm limits (admit before a call, correct the tokens after it).
     rates: crate::ratelimit::RateLimits,
+    /// Models and providers the fleet routes around for a while.
+    pub cooldowns: crate::cooldown::Cooldowns,
     /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
     /// takes no new jobs (each paused job pushes it on while it still waits).
     paused_until: Mutex<Option<Instant>>,
@@ -102,6 +104,7 @@ impl Worker {
         slots: Slots,
         budgets: crate::budget::Budgets,
         rates: crate::ratelimit::RateLimits,
+        cooldowns: crate::cooldown::Cooldowns,
     ) -> Result<Worker, WorkerError> {
         let cfg_concurrency = cfg.worker.concurrency();
         let mut providers = HashMap::new();
@@ -147,6 +150,7 @@ impl Worker {
             releases: tokio_util::task::TaskTracker::new(),
             budgets,
             rates,
+            cooldowns,
             paused_until: Mutex::new(None),
         })
     }
