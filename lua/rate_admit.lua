@@ -30,7 +30,15 @@ for i = 1, n do
     redis.call('ZREMRANGEBYSCORE', z, '-inf', now - window)
     redis.call('DECRBY', total, gone)
   end
-  local used = tonumber(redis.call('GET', total) or '0')
+  local used = tonumber(redis.call('GET', total) or '-1')
+  if used < 0 then
+    -- no total (or a broken one) while entries may live: recount it from the entries
+    used = 0
+    for _, m in ipairs(redis.call('ZRANGE', z, 0, -1)) do
+      used = used + (tonumber(string.match(m, '|(%d+)$')) or 0)
+    end
+    redis.call('SET', total, used, 'PX', window + 1000)
+  end
   local limit, amount = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
   -- An amount above the whole limit is admitted alone into an empty window (else a
   -- large call could never run).

@@ -84,20 +84,26 @@ pub async fn check(cfg: &Config) -> Result<Vec<(String, Found)>, KeyError> {
             Ok(resp) => match resp.json::<serde_json::Value>().await {
                 Err(e) => Found::Unknown(format!("GET {url}: not JSON: {e}")),
                 Ok(v) => {
+                    // Providers spell ids differently (`models/gemini-2.5-flash`,
+                    // `openai/gpt-4.1`): compare the last path segment.
                     let ids: BTreeSet<&str> = v["data"]
                         .as_array()
                         .into_iter()
                         .flatten()
                         .filter_map(|m| m["id"].as_str())
+                        .map(last_segment)
                         .collect();
                     if ids.is_empty() {
                         Found::Unknown(format!("GET {url} listed no model"))
+                    } else if v["has_more"].as_bool() == Some(true) {
+                        // One page of a longer list: absence from it proves nothing.
+                        Found::Unknown(format!("GET {url} answered one page of a longer list"))
                     } else {
                         Found::Ok {
                             visible: ids.len(),
                             unseen: models
                                 .iter()
-                                .filter(|(_, up)| !ids.contains(up.as_str()))
+                                .filter(|(_, up)| !ids.contains(last_segment(up)))
                                 .map(|(k, _)| (*k).clone())
                                 .collect(),
                         }
@@ -108,6 +114,10 @@ pub async fn check(cfg: &Config) -> Result<Vec<(String, Found)>, KeyError> {
         out.push((name.clone(), found));
     }
     Ok(out)
+}
+
+fn last_segment(id: &str) -> &str {
+    id.rsplit('/').next().unwrap_or(id)
 }
 
 /// Logs what [`check`] found and returns the models to leave out of routing.

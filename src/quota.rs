@@ -10,8 +10,9 @@
 //!   few tokens of chat formatting a provider adds per message;
 //! - output tokens <= the larger of the job's `max_tokens` and `max_completion_tokens`
 //!   (providers honour one or the other), else the model's `max_output_tokens`, else its
-//!   whole `context_window`;
-//! - cached input is priced as uncached input (the dearer of the two).
+//!   whole `context_window`, times the completions asked for (`n`, `best_of`);
+//! - every prompt token is priced at the dearest of the input, cached-input and
+//!   cache-write prices.
 
 use crate::config::{Config, ModelConfig};
 use crate::cost::{self, CostError, Price, Usage};
@@ -52,6 +53,18 @@ pub fn output_token_bound(body: &Map<String, Value>, model: &ModelConfig) -> u64
     requested_output(body)
         .or(model.max_output_tokens)
         .unwrap_or(model.context_window)
+        .saturating_mul(choices(body))
+}
+
+/// How many completions one call asks for: `n` (and the legacy `best_of`), at least 1.
+/// Each one can use the whole output cap.
+pub fn choices(body: &Map<String, Value>) -> u64 {
+    ["n", "best_of"]
+        .iter()
+        .filter_map(|f| body.get(*f).and_then(Value::as_u64))
+        .max()
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// The output cap the job asks for: the larger of `max_tokens` and
@@ -65,8 +78,13 @@ pub fn requested_output(body: &Map<String, Value>) -> Option<u64> {
 
 /// The most one call of `model` for `body` can cost.
 pub fn worst_case(body: &Map<String, Value>, model: &ModelConfig) -> Result<Decimal, CostError> {
+    // Every prompt token at the dearest of the prices a prompt token can have.
+    let input = [model.cached_input_per_mtok, model.cache_write_per_mtok]
+        .into_iter()
+        .flatten()
+        .fold(model.input_per_mtok, Decimal::max);
     let price = Price {
-        input_per_mtok: model.input_per_mtok,
+        input_per_mtok: input,
         output_per_mtok: model.output_per_mtok,
         cached_input_per_mtok: None,
         cache_write_per_mtok: None,
@@ -178,6 +196,9 @@ none = []
         assert_eq!(output_token_bound(&b, &c.models["cheap"]), 100);
         // dear: neither -> the whole context window
         assert_eq!(output_token_bound(&b, &c.models["dear"]), 5000);
+        // n = 3 completions: three times the cap
+        let b3 = body(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":7,"n":3}"#);
+        assert_eq!(output_token_bound(&b3, &c.models["dear"]), 21);
         let w = worst_case(&b, &c.models["cheap"]).unwrap();
         // bytes x $1/M + 100 x $2/M, by hand
         let want = Decimal::from(bytes) / Decimal::from(1_000_000) + Decimal::new(200, 6);

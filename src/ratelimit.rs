@@ -70,7 +70,8 @@ pub fn token_estimate(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
     let prompt = crate::quota::prompt_token_bound(body) / 4;
     let output = crate::quota::requested_output(body)
         .or(model.max_output_tokens)
-        .unwrap_or(DEFAULT_OUTPUT_ESTIMATE);
+        .unwrap_or(DEFAULT_OUTPUT_ESTIMATE)
+        .saturating_mul(crate::quota::choices(body));
     prompt.saturating_add(output)
 }
 
@@ -173,7 +174,10 @@ impl RateLimits {
         for (z, n) in &a.token_keys {
             inv.key(z).key(n);
         }
-        inv.arg(&a.id).arg(a.tokens).arg(used);
+        inv.arg(&a.id)
+            .arg(a.tokens)
+            .arg(used)
+            .arg(WINDOW.as_millis() as u64);
         let mut conn = self.conn.get().await?;
         let _: i64 = inv.invoke_async(&mut conn).await?;
         Ok(())

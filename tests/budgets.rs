@@ -315,15 +315,6 @@ fn worst_of(cfg: &llm_worker::config::Config, payload: &str, model: &str) -> Dec
     llm_worker::quota::worst_case(&job.body, &cfg.models[model]).expect("computable")
 }
 
-fn calls_to(sim: &SimHandle, model: &str) -> u64 {
-    sim.sim
-        .stats()
-        .requests
-        .get(model)
-        .map(|m| m.values().sum())
-        .unwrap_or(0)
-}
-
 /// Review finding (tests first): a pause budget whose limit is below one call's worst case can never have room:
 /// the job waits forever (no `budget:` failure), and the reader pause it keeps renewing
 /// stops the worker taking ANY job, even one on a model the budget does not cover.

@@ -153,13 +153,16 @@ impl Worker {
         status: ResultStatus,
         started: Instant,
     ) -> ResultEntry {
-        ResultEntry::new(
+        let mut r = ResultEntry::new(
             job_id,
             &d.entry_id,
             status,
             started.elapsed().as_millis() as u64,
             self.queue.consumer(),
-        )
+        );
+        // Every result says what was billed, even when nothing was.
+        r.usage = Some("[]".into());
+        r
     }
 
     /// The commit for a job that cannot be processed: `invalid` result + dead letter.
@@ -210,6 +213,8 @@ impl Worker {
         };
         result.input_tokens = spent.bill.usage.prompt_tokens;
         result.output_tokens = spent.bill.usage.completion_tokens;
+        result.cached_tokens = Some(spent.bill.usage.cached_tokens);
+        result.usage = Some(serde_json::Value::from(spent.bill.raw_usage.clone()).to_string());
         result.cost_usd = spent.bill.cost;
         result.attempts = spent.attempts;
         result.tried = spent.tried.clone();

@@ -386,33 +386,6 @@ impl Worker {
                     return None;
                 }
             }
-            let admission = match self.admit_rate(&job, &cand.model).await {
-                Admitted::Yes(a) => a,
-                Admitted::Stopped => {
-                    release_unused(lease).await;
-                    return None;
-                }
-                Admitted::Wait(wait) => {
-                    // No slot is held while a fleet-wide rate limit has no room. Limited
-                    // past `slots.acquire_timeout_ms`, a later model of the route runs
-                    // instead (when there is one); else the job waits for room.
-                    release_unused(lease).await;
-                    let since = *limited_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= self.cfg.slots.acquire_timeout_ms
-                        && !plan.usable_alternatives().is_empty()
-                    {
-                        plan.exclude(plan.current_index());
-                        plan.ensure_usable();
-                        limited_since = None;
-                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
-                        continue;
-                    }
-                    self.unless_draining(tokio::time::sleep(wait.min(Duration::from_secs(1))))
-                        .await?;
-                    continue;
-                }
-            };
-            limited_since = None;
             let reservation = match self.reserve_budget(&job, &cand.model).await {
                 Reserved::Yes(r) => r,
                 Reserved::Stopped => {
@@ -446,6 +419,40 @@ impl Worker {
                     continue;
                 }
             };
+            let admission = match self.admit_rate(&job, &cand.model).await {
+                Admitted::Yes(a) => a,
+                Admitted::Stopped => {
+                    if let Some(r) = reservation {
+                        self.settle_detached(r, Some(rust_decimal::Decimal::ZERO));
+                    }
+                    release_unused(lease).await;
+                    return None;
+                }
+                Admitted::Wait(wait) => {
+                    // The budget reservation is given back: no call is made now.
+                    if let Some(r) = reservation {
+                        self.settle_detached(r, Some(rust_decimal::Decimal::ZERO));
+                    }
+                    // No slot is held while a fleet-wide rate limit has no room. Limited
+                    // past `slots.acquire_timeout_ms`, a later model of the route runs
+                    // instead (when there is one); else the job waits for room.
+                    release_unused(lease).await;
+                    let since = *limited_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.cfg.slots.acquire_timeout_ms
+                        && !plan.usable_alternatives().is_empty()
+                    {
+                        plan.exclude(plan.current_index());
+                        plan.ensure_usable();
+                        limited_since = None;
+                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                        continue;
+                    }
+                    self.unless_draining(tokio::time::sleep(wait.min(Duration::from_secs(1))))
+                        .await?;
+                    continue;
+                }
+            };
+            limited_since = None;
             lock(spent).start_call(&cand.model);
             plan.record_attempt();
             let Some(client) = self.providers.get(&cand.provider) else {

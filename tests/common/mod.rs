@@ -1101,3 +1101,13 @@ pub async fn server_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
     let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.expect("time");
     s * 1000 + us / 1000
 }
+
+/// Calls the sim has answered for `model`, whatever the status.
+pub fn calls_to(sim: &SimHandle, model: &str) -> u64 {
+    sim.sim
+        .stats()
+        .requests
+        .get(model)
+        .map(|m| m.values().sum())
+        .unwrap_or(0)
+}

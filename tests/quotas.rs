@@ -1,0 +1,231 @@
+//! Quotas and money (issue 10): the holes an adversarial review of the rpm/tpm, key
+//! check, usage and cache pricing work found, each a test that failed before its fix.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::{Fault, SimOptions};
+use redis::AsyncCommands;
+use rust_decimal::Decimal;
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(60);
+
+/// rate_settle.lua on a window holding only this call: ZREM empties (deletes) the sorted
+/// set, ZADD recreates it WITHOUT a TTL while the total keeps its TTL. After a quiet
+/// window the total expires, the next admission prunes the old member and DECRBYs a
+/// missing total: the total goes negative and the window admits limit + that amount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tpm_window_stays_within_its_limit_after_a_lone_correction_and_a_quiet_minute() {
+    let redis = RedisServer::start();
+    let mut c = redis.conn().await;
+    let (z, n) = ("{llm}:rate:m:m1:tpm", "{llm}:rate:m:m1:tpm:n");
+    let window = 1000u64; // the scripts take the window as an argument; 60 s in prod
+    let limit = 1000u64;
+    let admit = |id: String, amount: u64| {
+        let mut inv = llm_worker::scripts::RATE_ADMIT.prepare_invoke();
+        inv.key(z).key(n).arg(id).arg(window).arg(limit).arg(amount);
+        inv
+    };
+    let r: Vec<i64> = admit("lone".into(), 900)
+        .invoke_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(r[0], 1);
+    // The call really used 1000 tokens (more than its estimate).
+    let mut s = llm_worker::scripts::RATE_SETTLE.prepare_invoke();
+    s.key(z).key(n).arg("lone").arg(900).arg(1000).arg(window);
+    let _: i64 = s.invoke_async(&mut c).await.unwrap();
+    let ttl: i64 = c.pttl(z).await.unwrap();
+    eprintln!("zset pttl after settle: {ttl}");
+    tokio::time::sleep(Duration::from_millis(window + 1300)).await;
+    let mut admitted = 0u64;
+    for i in 0..40 {
+        let r: Vec<i64> = admit(format!("b{i}"), 100)
+            .invoke_async(&mut c)
+            .await
+            .unwrap();
+        if r[0] == 1 {
+            admitted += 100;
+        }
+    }
+    let total: i64 = c.get(n).await.unwrap();
+    eprintln!(
+        "admitted {admitted} tokens within one window of limit {limit}; stored total {total}"
+    );
+    assert!(
+        admitted <= limit,
+        "tpm window admitted {admitted} > {limit}"
+    );
+}
+
+/// A job paused by a budget re-admits itself in the rate limits at every poll (2 s) and
+/// never calls: it eats the provider's rpm, so a job on another model of the same
+/// provider (no budget) is held back although the provider saw no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_paused_job_takes_no_rpm_of_its_provider() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.extra =
+        "[budgets.m1only]\nusd_per_day = \"1\"\nmodels = [\"m1\"]\non_exhausted = \"pause\"\n"
+            .into();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // Spend the budget already ($1 = 1e12 picos).
+    let day = String::from_utf8(
+        std::process::Command::new("date")
+            .args(["-u", "+%Y-%m-%d"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let bkey = format!("{{llm}}:budget:m1only:*:d:{}", day.trim());
+    let _: () = conn
+        .hset(&bkey, "spent", 1_000_000_000_000i64)
+        .await
+        .unwrap();
+    let env = [
+        ("LLM_WORKER__PROVIDERS__P1__RPM", "5"),
+        ("LLM_WORKER__ROUTES__ONLY2", "m2"),
+    ];
+    let a =
+        r#"{"id":"a","model":"m1","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#;
+    push(&mut conn, "llm", &[a.to_string()]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &env);
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let held: u64 = conn.zcard("{llm}:rate:p:p1:rpm").await.unwrap();
+    eprintln!(
+        "p1 rpm window holds {held} admissions; sim calls m1={} m2={}",
+        calls_to(&sim, "m1"),
+        calls_to(&sim, "m2")
+    );
+    let b =
+        r#"{"id":"b","route":"only2","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#;
+    push(&mut conn, "llm", &[b.to_string()]).await;
+    // a stays paused (its budget is spent): b alone gets a result.
+    let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(8)).await;
+    stop_clean(&mut w, T).await;
+    eprintln!(
+        "b (m2, no budget) done within 8 s: {}; m2 calls {}; m1 calls {}; results {:?}",
+        got.is_ok(),
+        calls_to(&sim, "m2"),
+        calls_to(&sim, "m1"),
+        entries(&mut conn, "{llm}:results").await
+    );
+    assert_eq!(calls_to(&sim, "m1"), 0);
+    context(got, &[&w]).expect("b (m2, no budget) runs promptly");
+    assert!(
+        held <= calls_to(&sim, "m1") + calls_to(&sim, "m2"),
+        "rpm admissions {held} with no provider call"
+    );
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(results[0].1["job_id"], "b", "{results:?}");
+    assert_eq!(results[0].1["status"], "ok", "{results:?}");
+}
+
+/// A billed attempt handed back, then dead-lettered on its next delivery
+/// (max_deliveries): the result has the carried cost and tokens but no `usage`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_result_after_a_billed_hand_back_carries_usage() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![always("m1", Fault::EmptyChoices)],
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let env = [
+        ("LLM_WORKER__QUEUE__MAX_DELIVERIES", "1"),
+        ("LLM_WORKER__RETRY__BASE_DELAY_MS", "8000"),
+        ("LLM_WORKER__RETRY__MAX_DELAY_MS", "8000"),
+        ("LLM_WORKER__ROUTES__ONLY1", "m1"),
+    ];
+    let mut conn = redis.conn().await;
+    let a =
+        r#"{"id":"h","route":"only1","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#;
+    push(&mut conn, "llm", &[a.to_string()]).await;
+    let mut w1 = WorkerProc::spawn(&cfg, "w1", &env);
+    assert!(wait_for(T, || async { calls_to(&sim, "m1") >= 1 }).await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_clean(&mut w1, T).await; // hand-back while waiting to retry
+    let mut w2 = WorkerProc::spawn(&cfg, "w2", &env);
+    let got = wait_len(&mut conn, "{llm}:results", 1, T).await;
+    stop_clean(&mut w2, T).await;
+    context(got, &[&w1, &w2]).expect("a result");
+    let results = entries(&mut conn, "{llm}:results").await;
+    let r: &HashMap<String, String> = &results[0].1;
+    eprintln!("{r:?}");
+    assert!(
+        r["cost_usd"].parse::<Decimal>().unwrap() > Decimal::ZERO,
+        "billed attempt carried"
+    );
+    assert!(
+        r.contains_key("usage"),
+        "the billed attempt's raw usage is in the result: {r:?}"
+    );
+}
+
+/// quota::worst_case promises an upper bound; a cache_write_per_mtok above the input
+/// price (Anthropic: 1.25x / 2x) is ignored, so the real cost can exceed it (budgets
+/// and max_cost_usd then overshoot).
+#[test]
+fn the_worst_case_bounds_cache_writes_priced_above_input() {
+    let mut cfg = TestConfig::with_urls("redis://127.0.0.1:1", "127.0.0.1:1".parse().unwrap());
+    cfg.extra = String::new();
+    let mut c = cfg.parsed();
+    let m = c.models.get_mut("m1").unwrap();
+    m.cache_write_per_mtok = Some(Decimal::from_str("0.28").unwrap()); // 2x input 0.14
+    let mc = c.models["m1"].clone();
+    let body: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#)
+            .unwrap();
+    let worst = llm_worker::quota::worst_case(&body, &mc).unwrap();
+    let bound = llm_worker::quota::prompt_token_bound(&body);
+    let v = serde_json::json!({"usage": {"input_tokens": 0, "cache_creation_input_tokens": bound, "output_tokens": 16}});
+    let u = llm_worker::provider::parse_usage(&v).unwrap();
+    let price = llm_worker::cost::Price {
+        input_per_mtok: mc.input_per_mtok,
+        output_per_mtok: mc.output_per_mtok,
+        cached_input_per_mtok: mc.cached_input_per_mtok,
+        cache_write_per_mtok: mc.cache_write_per_mtok,
+    };
+    let real = llm_worker::cost::checked_cost(&u, &price).unwrap();
+    eprintln!("worst {worst} real {real}");
+    assert!(real <= worst, "real {real} > worst case {worst}");
+}
+
+/// Gemini's OpenAI-compatible GET /models lists ids as "models/<name>": every model of
+/// such a provider is left out of routing, and jobs become `invalid`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefixed_model_ids_at_get_models_exclude_no_model() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        models: Some(vec![
+            "models/m1".into(),
+            "models/m2".into(),
+            "models/m3".into(),
+        ]),
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.validate_key = true;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("g", "hi")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let got = wait_len(&mut conn, "{llm}:results", 1, T).await;
+    stop_clean(&mut w, T).await;
+    context(got, &[&w]).expect("a result");
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["status"], "ok", "{:?}", results[0].1);
+}
