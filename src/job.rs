@@ -29,6 +29,8 @@ pub struct Job {
     /// Most this job may cost, over every call (models whose worst case does not fit
     /// what is left are skipped).
     pub max_cost_usd: Option<Decimal>,
+    /// Overrides `[context] policy` for this job.
+    pub context_policy: Option<crate::config::ContextPolicy>,
 }
 
 /// Why a payload is invalid. Each message is one line and says what to fix.
@@ -248,6 +250,15 @@ pub fn parse(
             ));
         }
     };
+    let context_policy = match opt_str("context_policy")? {
+        None => None,
+        Some(p) => Some(crate::config::ContextPolicy::parse(&p).ok_or_else(|| {
+            bad(
+                "context_policy",
+                format!("must be trim, fallback or fail, got {}", shown(&p)),
+            )
+        })?),
+    };
     let metadata = body.get("metadata").filter(|m| !m.is_null()).cloned();
     Ok(Job {
         id,
@@ -259,6 +270,7 @@ pub fn parse(
         tier,
         tenant,
         max_cost_usd,
+        context_policy,
     })
 }
 

@@ -18,6 +18,7 @@ pub mod backoff;
 pub mod budget;
 pub mod config;
 pub mod connect;
+pub mod context;
 pub mod cooldown;
 pub mod cost;
 pub mod daemon;

@@ -17,7 +17,15 @@ use std::time::{Duration, SystemTime};
 pub const JOB_HEADER: &str = "x-llm-worker-job";
 
 /// Fields of a job payload that are the worker's own and are not sent upstream.
-pub const WORKER_FIELDS: [&str; 6] = ["route", "id", "metadata", "tier", "tenant", "max_cost_usd"];
+pub const WORKER_FIELDS: [&str; 7] = [
+    "route",
+    "id",
+    "metadata",
+    "tier",
+    "tenant",
+    "max_cost_usd",
+    "context_policy",
+];
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {

@@ -517,3 +517,64 @@ async fn a_cooldown_found_by_one_worker_is_honoured_by_another() {
     );
     stop_clean(&mut b, T).await;
 }
+
+/// Context windows (issue 10): m1's window is 1,000 tokens (the sim rejects more), and the
+/// job's old turn alone is about 1,000 tokens. `trim` (the default) drops the oldest turn,
+/// keeping the system prompt and the last user turn, and the call on m1 succeeds
+/// (`trimmed_messages = 1`); `fallback` goes to m2 (a 100,000-token window) untrimmed;
+/// `fail` fails with `context:` and no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_too_long_for_the_window_is_trimmed_moved_or_failed_by_policy() {
+    let mut run = Run::start(
+        SimOptions {
+            context_windows: [("m1".to_string(), 1000u64)].into_iter().collect(),
+            ..SimOptions::default()
+        },
+        "",
+        &[],
+    )
+    .await;
+    let long = "lorem ipsum ".repeat(330);
+    let messages = serde_json::json!([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": "noted"},
+        {"role": "user", "content": "and now?"}
+    ]);
+    let r = run
+        .result_of(serde_json::json!({"id": "x1", "messages": messages, "max_tokens": 16}))
+        .await;
+    assert_eq!(r["status"], "ok", "{r:?}\n{}", run.worker.log());
+    assert_eq!(r["model"], "m1", "{r:?}");
+    assert_eq!(
+        r.get("trimmed_messages").map(String::as_str),
+        Some("1"),
+        "{r:?}"
+    );
+    assert_eq!(
+        calls(&run.stats(), "m1", 400),
+        0,
+        "never sent too long: {:?}",
+        run.stats().requests
+    );
+
+    let r = run
+        .result_of(serde_json::json!({"id": "x2", "messages": messages, "max_tokens": 16, "context_policy": "fallback"}))
+        .await;
+    assert_eq!(r["status"], "ok", "{r:?}");
+    assert_eq!(r["model"], "m2", "{r:?}");
+    assert_eq!(r["tried"], "m2", "{r:?}");
+    assert!(!r.contains_key("trimmed_messages"), "{r:?}");
+
+    let before = total_calls(&run.stats(), "m1") + total_calls(&run.stats(), "m2");
+    let r = run
+        .result_of(serde_json::json!({"id": "x3", "messages": messages, "max_tokens": 16, "context_policy": "fail"}))
+        .await;
+    assert_eq!(r["status"], "failed", "{r:?}");
+    assert!(r["error"].starts_with("context: "), "{r:?}");
+    assert_eq!(
+        total_calls(&run.stats(), "m1") + total_calls(&run.stats(), "m2"),
+        before
+    );
+    run.stop().await;
+}

@@ -21,8 +21,9 @@ mod validate;
 
 pub use load::resolve_path;
 pub use schema::{
-    BudgetConfig, CLAIM_IDLE_FLOOR, LogConfig, ModelConfig, OnExhausted, PoolConfig,
-    ProviderConfig, QueueConfig, RedisConfig, RetryConfig, ServerConfig, SlotsConfig, WorkerConfig,
+    BudgetConfig, CLAIM_IDLE_FLOOR, ContextConfig, ContextPolicy, LogConfig, ModelConfig,
+    OnExhausted, PoolConfig, ProviderConfig, QueueConfig, RedisConfig, RetryConfig, ServerConfig,
+    SlotsConfig, WorkerConfig,
 };
 pub use secret::{Secret, SplitRedisUrl, redact_url, split_redis_url};
 
@@ -60,6 +61,8 @@ pub struct Config {
     pub tiers: BTreeMap<String, Vec<String>>,
     /// Fleet-wide spending limits by name.
     pub budgets: BTreeMap<String, BudgetConfig>,
+    /// Prompts too long for a model's window.
+    pub context: ContextConfig,
     /// Models the provider's key cannot see (found at start by `keycheck`): left out of
     /// routing. Never read from or written to a file.
     #[serde(skip)]

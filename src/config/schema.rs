@@ -340,3 +340,47 @@ pub struct BudgetConfig {
 fn yes() -> bool {
     true
 }
+
+/// What a worker does with a prompt too long for a model's window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContextPolicy {
+    /// Drop the oldest non-system messages (never the system prompt, the last user turn,
+    /// or half of a tool call / result pair) until it fits.
+    #[default]
+    Trim,
+    /// A later model of the route with a larger window.
+    Fallback,
+    /// The job fails with `context: ...`.
+    Fail,
+}
+
+impl ContextPolicy {
+    /// The policy named by a job's `context_policy`.
+    pub fn parse(s: &str) -> Option<ContextPolicy> {
+        match s {
+            "trim" => Some(ContextPolicy::Trim),
+            "fallback" => Some(ContextPolicy::Fallback),
+            "fail" => Some(ContextPolicy::Fail),
+            _ => None,
+        }
+    }
+}
+
+/// `[context]`: prompts that do not fit a model's window.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ContextConfig {
+    pub policy: ContextPolicy,
+    /// Act when prompt + requested output tokens exceed this share of the window (0..1].
+    pub headroom: f64,
+}
+
+impl Default for ContextConfig {
+    fn default() -> Self {
+        ContextConfig {
+            policy: ContextPolicy::Trim,
+            headroom: 0.9,
+        }
+    }
+}

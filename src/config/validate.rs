@@ -57,6 +57,14 @@ impl Config {
             ),
         )?;
         require(
+            self.context.headroom > 0.0 && self.context.headroom <= 1.0,
+            "context.headroom",
+            format!(
+                "is {}; it must be above 0 and at most 1",
+                self.context.headroom
+            ),
+        )?;
+        require(
             self.worker.threads <= 1024,
             "worker.threads",
             format!(

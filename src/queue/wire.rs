@@ -120,6 +120,8 @@ pub struct ResultEntry {
     /// JSON array of each billed attempt's raw usage object (present when a model call
     /// was planned, like `cached_tokens`).
     pub usage: Option<String>,
+    /// Messages left out to fit the model's context window (`[context] policy = trim`).
+    pub trimmed_messages: Option<u64>,
     pub warning: Option<String>,
 }
 
@@ -156,6 +158,7 @@ impl ResultEntry {
             metadata: None,
             tenant: None,
             usage: None,
+            trimmed_messages: None,
             warning: None,
         }
     }
@@ -191,6 +194,9 @@ impl ResultEntry {
         opt(&mut f, "metadata", self.metadata);
         opt(&mut f, "tenant", self.tenant);
         opt(&mut f, "usage", self.usage);
+        if let Some(n) = self.trimmed_messages {
+            f.push(("trimmed_messages", num(n)));
+        }
         opt(&mut f, "warning", self.warning);
         f
     }
@@ -249,6 +255,13 @@ impl ResultEntry {
             metadata: r.opt("metadata")?,
             tenant: r.opt("tenant")?,
             usage: r.opt("usage")?,
+            trimmed_messages: r
+                .opt("trimmed_messages")?
+                .map(|s| {
+                    s.parse()
+                        .map_err(|_| r.bad("trimmed_messages", &s, "an integer"))
+                })
+                .transpose()?,
             warning: r.opt("warning")?,
         })
     }
@@ -550,6 +563,7 @@ mod tests {
         e.metadata = Some(r#"{"k":1}"#.into());
         e.tenant = Some("acme".into());
         e.usage = Some(r#"[{"prompt_tokens":10}]"#.into());
+        e.trimmed_messages = Some(3);
         e.warning = Some("ignored stream fields other than payload: x".into());
         e
     }
@@ -819,6 +833,7 @@ mod tests {
             "metadata",
             "tenant",
             "usage",
+            "trimmed_messages",
             "warning",
             "duplicate_of",
             "reason",

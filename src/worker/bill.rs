@@ -81,6 +81,8 @@ pub(super) struct Spent {
     /// usage, a call cut off after it was sent): counted against the job's
     /// `max_cost_usd`, not billed.
     pub(super) unknown_worst: Decimal,
+    /// Messages left out of the last call to fit its model's window.
+    pub(super) trimmed_messages: Option<u64>,
 }
 
 impl Spent {

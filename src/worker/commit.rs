@@ -256,6 +256,7 @@ impl Worker {
         result.tried = spent.tried.clone();
         result.metadata = job.metadata.as_ref().map(|m| m.to_string());
         result.tenant = job.tenant.clone();
+        result.trimmed_messages = spent.trimmed_messages;
         if !bill.warnings.is_empty() {
             result.warning = Some(provider::one_line(&bill.warnings.join("; ")));
         }

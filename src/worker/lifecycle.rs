@@ -7,6 +7,7 @@
 //! so `abort` cannot cut a paid answer off from its commit; what calls cost is recorded
 //! in the task's `Spent` as they end, so a hand-back carries it.
 
+use crate::context;
 use crate::job::{self};
 use crate::provider::{self, CallError, ProviderClient};
 use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus};
@@ -386,6 +387,24 @@ impl Worker {
                     return None;
                 }
             }
+            // The model's context window: trim, move on, or fail (see `context`).
+            let trimmed = match self.fit_context(&job, &cand) {
+                context::Fit::AsIs => None,
+                context::Fit::Trimmed { messages, dropped } => Some((messages, dropped)),
+                context::Fit::Skip(why) => {
+                    release_unused(lease).await;
+                    plan.exclude(plan.current_index());
+                    if plan.ensure_usable() {
+                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                        continue;
+                    }
+                    break Finished::Failed(why);
+                }
+                context::Fit::Fail(why) => {
+                    release_unused(lease).await;
+                    break Finished::Failed(why);
+                }
+            };
             let reservation = match self.reserve_budget(&job, &cand.model).await {
                 Reserved::Yes(r) => r,
                 Reserved::Stopped => {
@@ -458,7 +477,19 @@ impl Worker {
             let Some(client) = self.providers.get(&cand.provider) else {
                 break Finished::Failed(format!("provider {} not configured", cand.provider));
             };
-            let body = ProviderClient::request_body(&job.body, self.cfg.upstream_name(&cand.model));
+            let upstream = self.cfg.upstream_name(&cand.model);
+            lock(spent).trimmed_messages = trimmed.as_ref().map(|(_, n)| *n as u64);
+            let body = match &trimmed {
+                None => ProviderClient::request_body(&job.body, upstream),
+                Some((messages, _)) => {
+                    let mut b = job.body.clone();
+                    b.insert(
+                        "messages".into(),
+                        serde_json::Value::Array(messages.clone()),
+                    );
+                    ProviderClient::request_body(&b, upstream)
+                }
+            };
             let call_started = Instant::now();
             let outcome = client.call(&body, &job.id).await;
             if lease.is_lost() {
@@ -687,6 +718,25 @@ const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 const BUDGET_PAUSE_POLL: Duration = Duration::from_secs(2);
 
 impl Worker {
+    /// How `job`'s messages go to `cand` under its context window.
+    fn fit_context(&self, job: &job::Job, cand: &Candidate) -> context::Fit {
+        let Some(messages) = job
+            .body
+            .get("messages")
+            .and_then(serde_json::Value::as_array)
+        else {
+            return context::Fit::AsIs;
+        };
+        context::fit(
+            self.cfg.upstream_name(&cand.model),
+            cand.context_window,
+            self.cfg.context.headroom,
+            quota::requested_output(&job.body).unwrap_or(0),
+            messages,
+            job.context_policy.unwrap_or(self.cfg.context.policy),
+        )
+    }
+
     /// Shares what a failed call taught about its model or provider: a Retry-After puts
     /// the model in a cooldown that long, a provider-wide rejection the provider for
     /// [`crate::cooldown::PROVIDER_REJECTED`], and a model failing most of its recent
