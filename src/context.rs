@@ -17,9 +17,12 @@ use serde_json::Value;
 /// counting for its chat models).
 const PER_MESSAGE: u64 = 4;
 const PER_REQUEST: u64 = 3;
-/// Bytes per token of the estimate for models without a known tokenizer: deliberately
-/// low (English text averages about four bytes a token), so the estimate errs long.
-const ESTIMATE_BYTES_PER_TOKEN: u64 = 3;
+/// Bytes per token of the estimate for models without a known tokenizer: the average of
+/// English text. It may err short: a prompt it lets through that is still too long is
+/// answered `context_length_exceeded` by the provider (not billed), which moves the job
+/// to a model with a larger window. Erring long would instead send prompts that fit
+/// to another model.
+const ESTIMATE_BYTES_PER_TOKEN: u64 = 4;
 
 /// What to do with one call's messages.
 #[derive(Debug, Clone, PartialEq)]
@@ -38,32 +41,49 @@ pub enum Fit {
     Fail(String),
 }
 
-/// Prompt tokens of `messages` for `model` (its upstream name): tiktoken when it knows
-/// the model, else the estimate. Returns the count and how it was made.
-pub fn count(model: &str, messages: &[Value]) -> (u64, &'static str) {
+/// Tokens counted for one image or audio part, whatever its bytes (a provider bills an
+/// image by its size in tiles, at most about 1,500 tokens, not by its base64 text).
+const PER_MEDIA_PART: u64 = 1_500;
+
+/// Tokens of `text` for `model` (its upstream name): tiktoken when it knows the model,
+/// else the estimate; and how they were counted.
+fn text_tokens(model: &str, text: &str) -> (u64, &'static str) {
     let name = model.rsplit('/').next().unwrap_or(model);
-    let texts: Vec<String> = messages.iter().map(message_text).collect();
-    let n = messages.len() as u64 * PER_MESSAGE + PER_REQUEST;
     match tiktoken_rs::tokenizer::get_tokenizer(name)
         .and_then(|t| tiktoken_rs::bpe_for_tokenizer(t).ok())
     {
-        Some(bpe) => {
-            let toks: u64 = texts
-                .iter()
-                .map(|t| bpe.encode_ordinary(t).len() as u64)
-                .sum();
-            (n + toks, "tiktoken")
-        }
-        None => {
-            let bytes: u64 = texts.iter().map(|t| t.len() as u64).sum();
-            (n + bytes.div_ceil(ESTIMATE_BYTES_PER_TOKEN), "estimate")
-        }
+        Some(bpe) => (bpe.encode_ordinary(text).len() as u64, "tiktoken"),
+        None => (
+            (text.len() as u64).div_ceil(ESTIMATE_BYTES_PER_TOKEN),
+            "estimate",
+        ),
     }
 }
 
-/// The text of one message that a model reads: role, name, content (string, or the
-/// text of its parts; other parts as their JSON), tool calls as JSON.
-fn message_text(m: &Value) -> String {
+/// Tokens of one message (text, media parts at [`PER_MEDIA_PART`], the format's own).
+fn message_tokens(model: &str, m: &Value) -> (u64, &'static str) {
+    let (text, media) = message_text(m);
+    let (t, how) = text_tokens(model, &text);
+    (t + media * PER_MEDIA_PART + PER_MESSAGE, how)
+}
+
+/// Prompt tokens of `messages` for `model`: tiktoken when it knows the model, else the
+/// estimate. Returns the count and how it was made.
+pub fn count(model: &str, messages: &[Value]) -> (u64, &'static str) {
+    let mut how = text_tokens(model, "").1;
+    let mut n = PER_REQUEST;
+    for m in messages {
+        let (t, h) = message_tokens(model, m);
+        n += t;
+        how = h;
+    }
+    (n, how)
+}
+
+/// The text of one message that a model reads (role, name, content: a string or its
+/// text parts, tool calls as JSON) and how many media parts (images, audio) it has.
+fn message_text(m: &Value) -> (String, u64) {
+    let mut media = 0;
     let mut out = String::new();
     for k in ["role", "name", "tool_call_id"] {
         if let Some(s) = m.get(k).and_then(Value::as_str) {
@@ -77,7 +97,7 @@ fn message_text(m: &Value) -> String {
             for p in parts {
                 match p.get("text").and_then(Value::as_str) {
                     Some(t) => out.push_str(t),
-                    None => out.push_str(&p.to_string()),
+                    None => media += 1,
                 }
             }
         }
@@ -86,7 +106,7 @@ fn message_text(m: &Value) -> String {
     if let Some(tc) = m.get("tool_calls") {
         out.push_str(&tc.to_string());
     }
-    out
+    (out, media)
 }
 
 fn role(m: &Value) -> &str {
@@ -95,21 +115,31 @@ fn role(m: &Value) -> &str {
 
 /// Decides how `messages` go to `model` (upstream name) with a `window`, `headroom` and
 /// `output` tokens asked for, under `policy`.
+/// `extra` is the request's other prompt text (`tools`, `response_format`), counted
+/// once and never trimmed.
 pub fn fit(
     model: &str,
     window: u64,
     headroom: f64,
     output: u64,
     messages: &[Value],
+    extra: &str,
     policy: ContextPolicy,
 ) -> Fit {
     let limit = (window as f64 * headroom).floor() as u64;
-    let bytes: u64 = messages.iter().map(|m| message_text(m).len() as u64).sum();
-    let overhead = messages.len() as u64 * PER_MESSAGE + PER_REQUEST;
+    let mut bytes = extra.len() as u64;
+    let mut overhead = messages.len() as u64 * PER_MESSAGE + PER_REQUEST;
+    for m in messages {
+        let (text, media) = message_text(m);
+        bytes += text.len() as u64;
+        overhead += media * PER_MEDIA_PART;
+    }
     if bytes + overhead + output <= limit {
         return Fit::AsIs; // a token is at least a byte
     }
+    let extra_tokens = text_tokens(model, extra).0;
     let (tokens, how) = count(model, messages);
+    let tokens = tokens + extra_tokens;
     if tokens + output <= limit {
         return Fit::AsIs;
     }
@@ -119,7 +149,11 @@ pub fn fit(
     match policy {
         ContextPolicy::Fail => Fit::Fail(why),
         ContextPolicy::Fallback => Fit::Skip(why),
-        ContextPolicy::Trim => match trim(model, limit.saturating_sub(output), messages) {
+        ContextPolicy::Trim => match trim(
+            model,
+            limit.saturating_sub(output).saturating_sub(extra_tokens),
+            messages,
+        ) {
             Some((kept, dropped)) => Fit::Trimmed {
                 messages: kept,
                 dropped,
@@ -168,21 +202,34 @@ fn groups(messages: &[Value]) -> Vec<Vec<usize>> {
 }
 
 /// Drops the oldest groups until the prompt fits `budget` tokens. `None` when even
-/// dropping all of them is not enough.
+/// dropping all of them is not enough. Each message is counted once (linear in the
+/// conversation); the first message kept after the system messages is a user turn
+/// (providers reject a conversation that opens with an assistant or tool turn).
 fn trim(model: &str, budget: u64, messages: &[Value]) -> Option<(Vec<Value>, usize)> {
     let gs = groups(messages);
+    let tokens: Vec<u64> = messages
+        .iter()
+        .map(|m| message_tokens(model, m).0)
+        .collect();
+    let mut total: u64 = PER_REQUEST + tokens.iter().sum::<u64>();
     let mut dropped: Vec<bool> = vec![false; messages.len()];
     for g in &gs {
         for &i in g {
             dropped[i] = true;
+            total -= tokens[i];
         }
-        let kept: Vec<Value> = messages
+        let opens_with_user = messages
             .iter()
             .zip(&dropped)
-            .filter(|(_, d)| !**d)
-            .map(|(m, _)| m.clone())
-            .collect();
-        if count(model, &kept).0 <= budget {
+            .find(|(m, d)| !**d && role(m) != "system")
+            .is_none_or(|(m, _)| role(m) == "user");
+        if total <= budget && opens_with_user {
+            let kept: Vec<Value> = messages
+                .iter()
+                .zip(&dropped)
+                .filter(|(_, d)| !**d)
+                .map(|(m, _)| m.clone())
+                .collect();
             let n = dropped.iter().filter(|d| **d).count();
             return Some((kept, n));
         }
@@ -210,8 +257,8 @@ mod tests {
         assert_eq!(how, "tiktoken", "an aggregator's prefix is ignored");
         let (n, how) = count("deepseek-v3.2", &m);
         assert_eq!(how, "estimate");
-        // 4 + "user " (5) + 31 bytes = 36 bytes -> 12, plus 4 + 3
-        assert_eq!(n, 19);
+        // "user " (5) + 31 bytes = 36 bytes -> 9, plus 4 + 3
+        assert_eq!(n, 16);
     }
 
     #[test]
@@ -224,27 +271,26 @@ mod tests {
             msg("user", "and now?"),
         ];
         assert_eq!(
-            fit("gpt-4o", 100_000, 0.9, 100, &m, ContextPolicy::Trim),
+            fit("gpt-4o", 100_000, 0.9, 100, &m, "", ContextPolicy::Trim),
             Fit::AsIs
         );
-        match fit("gpt-4o", 300, 0.9, 16, &m, ContextPolicy::Fail) {
+        match fit("gpt-4o", 300, 0.9, 16, &m, "", ContextPolicy::Fail) {
             Fit::Fail(why) => assert!(why.starts_with("context: "), "{why}"),
             other => panic!("{other:?}"),
         }
         assert!(matches!(
-            fit("gpt-4o", 300, 0.9, 16, &m, ContextPolicy::Fallback),
+            fit("gpt-4o", 300, 0.9, 16, &m, "", ContextPolicy::Fallback),
             Fit::Skip(_)
         ));
-        match fit("gpt-4o", 300, 0.9, 16, &m, ContextPolicy::Trim) {
+        match fit("gpt-4o", 300, 0.9, 16, &m, "", ContextPolicy::Trim) {
             Fit::Trimmed { messages, dropped } => {
-                assert_eq!(dropped, 1, "the oldest turn only: the rest fits");
+                assert_eq!(
+                    dropped, 2,
+                    "the oldest turn, and the answer that would open the rest"
+                );
                 assert_eq!(
                     messages,
-                    vec![
-                        msg("system", "be brief"),
-                        msg("assistant", "ok"),
-                        msg("user", "and now?")
-                    ]
+                    vec![msg("system", "be brief"), msg("user", "and now?")]
                 );
             }
             other => panic!("{other:?}"),
@@ -252,9 +298,32 @@ mod tests {
         // The last user turn alone is too long: trimming cannot help.
         let m = vec![msg("system", "s"), msg("user", &long)];
         assert!(matches!(
-            fit("gpt-4o", 100, 0.9, 16, &m, ContextPolicy::Trim),
+            fit("gpt-4o", 100, 0.9, 16, &m, "", ContextPolicy::Trim),
             Fit::Skip(_)
         ));
+        // Tools count too: a short prompt with a long tool schema does not fit.
+        let short = vec![msg("user", "hi")];
+        let tools = "schema ".repeat(400);
+        assert!(matches!(
+            fit("gpt-4o", 300, 0.9, 16, &short, &tools, ContextPolicy::Fail),
+            Fit::Fail(_)
+        ));
+    }
+
+    /// An inline image is counted as an image (about 1,500 tokens), not as its base64.
+    #[test]
+    fn an_inline_image_counts_as_an_image_not_as_its_base64() {
+        let b64 = "A".repeat(1_000_000);
+        let m = vec![json!({"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{b64}")}}
+        ]})];
+        let (n, _) = count("gpt-4o", &m);
+        assert!(n > PER_MEDIA_PART && n < PER_MEDIA_PART + 50, "{n}");
+        assert_eq!(
+            fit("gpt-4o", 128_000, 0.9, 1000, &m, "", ContextPolicy::Fail),
+            Fit::AsIs
+        );
     }
 
     fn arb_messages() -> impl Strategy<Value = Vec<Value>> {
@@ -299,6 +368,8 @@ mod tests {
                 let systems = |ms: &[Value]| ms.iter().filter(|m| role(m) == "system").count();
                 prop_assert_eq!(systems(&kept), systems(&messages));
                 prop_assert_eq!(kept.last(), messages.last());
+                let first = kept.iter().find(|m| role(m) != "system");
+                prop_assert!(first.is_none_or(|m| role(m) == "user"), "opens with a user turn: {:?}", kept);
                 prop_assert!(count("gpt-4o", &kept).0 <= budget);
                 // order kept: `kept` is a subsequence of `messages`
                 let mut it = messages.iter();

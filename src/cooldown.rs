@@ -1,11 +1,12 @@
 //! Shared cooldowns: a model or a whole provider that the fleet should route around for a
-//! while, recorded in Redis (`{ns}:cooldown:<m|p>:<name>`, value = reason, PX = length)
+//! while, recorded in Redis (one hash `{ns}:cooldowns`, field `m:<model>` / `p:<provider>`
+//! = "<end ms>|<reason>")
 //! so one worker's discovery (a 429 with a long Retry-After, a provider-wide rejection,
 //! a model failing most calls) spares every other worker the same failed calls.
 //!
 //! Invariants: a cooldown is only ever lengthened, never shortened (`lua/cooldown.lua`);
 //! reading costs no round trip per job: each worker refreshes a local copy every
-//! [`REFRESH`] (one SCAN), and a worker that sets a cooldown sees it at once.
+//! [`REFRESH`] (one HGETALL), and a worker that sets a cooldown sees it at once.
 
 use crate::config::Config;
 use crate::connect::Commands;
@@ -18,6 +19,9 @@ use tokio_util::sync::CancellationToken;
 
 /// How often every worker re-reads the fleet's cooldowns.
 pub const REFRESH: Duration = Duration::from_secs(1);
+/// Longest cooldown: a Retry-After of hours (or a far HTTP date) must not park a model
+/// (and the jobs that wait for it) for longer.
+pub const MAX_COOLDOWN: Duration = Duration::from_secs(600);
 /// Cooldown of a provider that rejected the key or the account (`insufficient_quota`).
 pub const PROVIDER_REJECTED: Duration = Duration::from_secs(60);
 /// Cooldown of a model that failed most of its recent calls.
@@ -73,6 +77,7 @@ impl Cooldowns {
     /// whole fleet (a longer one already set is kept). Best effort: if Redis does not
     /// answer, this process still routes around it.
     pub async fn set(&self, kind: char, name: &str, len: Duration, why: &str) {
+        let len = len.min(MAX_COOLDOWN);
         let k = key_of(kind, name);
         {
             let mut known = lock(&self.inner.known);
@@ -85,7 +90,8 @@ impl Cooldowns {
         tracing::warn!(what = %k, seconds = len.as_secs_f64(), reason = %why, "cooldown: the fleet routes around it until it ends");
         metrics::counter!("llm_worker_cooldowns_total").increment(1);
         let mut inv = crate::scripts::COOLDOWN.prepare_invoke();
-        inv.key(format!("{{{}}}:cooldown:{k}", self.inner.ns))
+        inv.key(hash_key(&self.inner.ns))
+            .arg(&k)
             .arg(len.as_millis() as u64)
             .arg(why);
         let sent = async {
@@ -118,19 +124,17 @@ impl Cooldowns {
         tripped
     }
 
-    /// Reads the fleet's cooldowns into the local copy (best effort).
+    /// Replaces the local copy with the fleet's cooldowns (best effort: kept as it is
+    /// while Redis does not answer). Redis is the truth: a cooldown ended early there
+    /// (`HDEL`) ends here too.
     pub async fn refresh(&self) {
         if let Ok(list) = self.list().await {
             let now = Instant::now();
-            let mut known = lock(&self.inner.known);
-            known.retain(|_, end| *end > now);
-            for (k, ms, _) in list {
-                let end = now + Duration::from_millis(ms);
-                let e = known.entry(k).or_insert(end);
-                if *e < end {
-                    *e = end;
-                }
-            }
+            let fresh: HashMap<String, Instant> = list
+                .into_iter()
+                .map(|(k, ms, _)| (k, now + Duration::from_millis(ms)))
+                .collect();
+            *lock(&self.inner.known) = fresh;
         }
     }
 
@@ -158,25 +162,31 @@ impl Cooldowns {
     }
 }
 
-/// Every cooldown of namespace `ns` (for `status` too).
+fn hash_key(ns: &str) -> String {
+    format!("{{{ns}}}:cooldowns")
+}
+
+/// Every cooldown of namespace `ns` still running (for `status` too): (`m:<model>` /
+/// `p:<provider>`, ms left by the server's clock, reason). One round trip.
 pub async fn list_with<C: redis::aio::ConnectionLike + Send>(
     ns: &str,
     conn: &mut C,
 ) -> Result<Vec<(String, u64, String)>, redis::RedisError> {
-    let prefix = format!("{{{ns}}}:cooldown:");
-    let keys = crate::connect::scan_match(conn, &format!("{prefix}*")).await?;
-    let mut out = vec![];
-    for k in keys {
-        let ttl: i64 = redis::cmd("PTTL").arg(&k).query_async(conn).await?;
-        let why: Option<String> = redis::cmd("GET").arg(&k).query_async(conn).await?;
-        if ttl > 0 {
-            out.push((
-                k.strip_prefix(&prefix).unwrap_or(&k).to_string(),
-                ttl as u64,
-                why.unwrap_or_default(),
-            ));
-        }
-    }
+    let ((secs, micros), all): ((u64, u64), HashMap<String, String>) = redis::pipe()
+        .cmd("TIME")
+        .cmd("HGETALL")
+        .arg(hash_key(ns))
+        .query_async(conn)
+        .await?;
+    let now = secs * 1000 + micros / 1000;
+    let mut out: Vec<(String, u64, String)> = all
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let (ends, why) = v.split_once('|')?;
+            let ends: u64 = ends.parse().ok()?;
+            (ends > now).then(|| (k, ends - now, why.to_string()))
+        })
+        .collect();
     out.sort();
     Ok(out)
 }

@@ -727,12 +727,19 @@ impl Worker {
         else {
             return context::Fit::AsIs;
         };
+        // The rest of the prompt a provider counts: tool schemas, the response format.
+        let extra: String = ["tools", "functions", "response_format"]
+            .iter()
+            .filter_map(|k| job.body.get(*k))
+            .map(|v| v.to_string())
+            .collect();
         context::fit(
             self.cfg.upstream_name(&cand.model),
             cand.context_window,
             self.cfg.context.headroom,
             quota::requested_output(&job.body).unwrap_or(0),
             messages,
+            &extra,
             job.context_policy.unwrap_or(self.cfg.context.policy),
         )
     }
