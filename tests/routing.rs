@@ -533,9 +533,10 @@ async fn a_cooldown_found_by_one_worker_is_honoured_by_another() {
 }
 
 /// Context windows (issue 10): m1's window is 1,000 tokens (the sim rejects more), and the
-/// job's old turn alone is about 1,000 tokens. `trim` (the default) drops the oldest turn,
-/// keeping the system prompt and the last user turn, and the call on m1 succeeds
-/// (`trimmed_messages = 1`); `fallback` goes to m2 (a 100,000-token window) untrimmed;
+/// job's old turn alone is about 1,000 tokens. `trim` (the default) drops the oldest turn
+/// and the answer to it (a conversation never opens on an assistant turn), keeping the
+/// system prompt and the last user turn, and the call on m1 succeeds
+/// (`trimmed_messages = 2`); `fallback` goes to m2 (a 100,000-token window) untrimmed;
 /// `fail` fails with `context:` and no call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_too_long_for_the_window_is_trimmed_moved_or_failed_by_policy() {
@@ -562,7 +563,7 @@ async fn a_prompt_too_long_for_the_window_is_trimmed_moved_or_failed_by_policy()
     assert_eq!(r["model"], "m1", "{r:?}");
     assert_eq!(
         r.get("trimmed_messages").map(String::as_str),
-        Some("1"),
+        Some("2"),
         "{r:?}"
     );
     assert_eq!(
