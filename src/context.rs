@@ -109,6 +109,34 @@ fn message_text(m: &Value) -> (String, u64) {
     (out, media)
 }
 
+/// Bytes of [`message_text`] and its media parts, without building the text (the check
+/// every call makes; most prompts end here).
+fn message_bytes(m: &Value) -> (u64, u64) {
+    let mut bytes = 0u64;
+    let mut media = 0u64;
+    for k in ["role", "name", "tool_call_id"] {
+        if let Some(s) = m.get(k).and_then(Value::as_str) {
+            bytes += s.len() as u64 + 1;
+        }
+    }
+    match m.get("content") {
+        Some(Value::String(s)) => bytes += s.len() as u64,
+        Some(Value::Array(parts)) => {
+            for p in parts {
+                match p.get("text").and_then(Value::as_str) {
+                    Some(t) => bytes += t.len() as u64,
+                    None => media += 1,
+                }
+            }
+        }
+        _ => {}
+    }
+    if let Some(tc) = m.get("tool_calls") {
+        bytes += tc.to_string().len() as u64;
+    }
+    (bytes, media)
+}
+
 fn role(m: &Value) -> &str {
     m.get("role").and_then(Value::as_str).unwrap_or("")
 }
@@ -130,8 +158,8 @@ pub fn fit(
     let mut bytes = extra.len() as u64;
     let mut overhead = messages.len() as u64 * PER_MESSAGE + PER_REQUEST;
     for m in messages {
-        let (text, media) = message_text(m);
-        bytes += text.len() as u64;
+        let (b, media) = message_bytes(m);
+        bytes += b;
         overhead += media * PER_MEDIA_PART;
     }
     if bytes + overhead + output <= limit {
@@ -245,6 +273,19 @@ mod tests {
 
     fn msg(role: &str, text: &str) -> Value {
         json!({"role": role, "content": text})
+    }
+
+    #[test]
+    fn message_bytes_agree_with_message_text() {
+        let ms = [
+            msg("user", "héllo"),
+            json!({"role": "assistant", "name": "x", "content": null, "tool_calls": [{"id": "c"}]}),
+            json!({"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "r"}, {"type": "image_url"}]}),
+        ];
+        for m in &ms {
+            let (text, media) = message_text(m);
+            assert_eq!(message_bytes(m), (text.len() as u64, media), "{m}");
+        }
     }
 
     #[test]
