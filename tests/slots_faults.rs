@@ -574,7 +574,21 @@ async fn a_kept_slot_whose_reply_is_lost_reaches_the_waiter() -> anyhow::Result<
         .await?;
     let l = tokio::time::timeout(t, a.acquire("default", t)).await??;
     let aa = a.clone();
-    let w = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(8)).await });
+    // As a job does (take_slot): a try that meets the stopped Redis is tried again.
+    let w = tokio::spawn(async move {
+        let until = Instant::now() + Duration::from_secs(8);
+        loop {
+            match aa
+                .acquire("default", until.saturating_duration_since(Instant::now()))
+                .await
+            {
+                Err(llm_worker::slots::SlotError::Redis(_)) if Instant::now() < until => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                other => break other,
+            }
+        }
+    });
     assert!(wait_queued(&conn, a.token()).await);
     signal(pid, libc_sig::STOP);
     let rel = tokio::spawn(async move { l.release().await });
