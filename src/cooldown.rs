@@ -65,6 +65,9 @@ impl Cooldowns {
     pub fn remaining(&self, model: &str, provider: &str) -> Option<Duration> {
         let now = Instant::now();
         let known = lock(&self.inner.known);
+        if known.is_empty() {
+            return None; // the usual case: nothing cools, nothing to spell
+        }
         [key_of('m', model), key_of('p', provider)]
             .iter()
             .filter_map(|k| known.get(k))
@@ -110,7 +113,12 @@ impl Cooldowns {
     pub fn record(&self, model: &str, failed: bool) -> bool {
         let now = Instant::now();
         let mut recent = lock(&self.inner.recent);
-        let calls = recent.entry(model.to_string()).or_default();
+        if !recent.contains_key(model) {
+            recent.insert(model.to_string(), Vec::new());
+        }
+        let Some(calls) = recent.get_mut(model) else {
+            return false;
+        };
         calls.retain(|(t, _)| now.duration_since(*t) < Duration::from_secs(60));
         calls.push((now, failed));
         if calls.len() > 4 * FAILING_MIN_CALLS {

@@ -129,6 +129,13 @@ impl Plan {
         }
     }
 
+    /// Excludes the current candidate and moves on to the next usable one: `false` when
+    /// none is left (the job fails).
+    pub fn skip_current(&mut self) -> bool {
+        self.exclude(self.current);
+        self.ensure_usable()
+    }
+
     /// If the current candidate was excluded, moves on to the next usable one. `false`
     /// when none is left (the job fails).
     pub fn ensure_usable(&mut self) -> bool {

@@ -214,7 +214,7 @@ impl Worker {
         result.input_tokens = spent.bill.usage.prompt_tokens;
         result.output_tokens = spent.bill.usage.completion_tokens;
         result.cached_tokens = Some(spent.bill.usage.cached_tokens);
-        result.usage = Some(serde_json::Value::from(spent.bill.raw_usage.clone()).to_string());
+        result.usage = serde_json::to_string(&spent.bill.raw_usage).ok();
         result.cost_usd = spent.bill.cost;
         result.attempts = spent.attempts;
         result.tried = spent.tried.clone();
@@ -250,7 +250,7 @@ impl Worker {
         result.input_tokens = bill.usage.prompt_tokens;
         result.output_tokens = bill.usage.completion_tokens;
         result.cached_tokens = Some(bill.usage.cached_tokens);
-        result.usage = Some(serde_json::Value::from(bill.raw_usage.clone()).to_string());
+        result.usage = serde_json::to_string(&bill.raw_usage).ok();
         result.cost_usd = bill.cost;
         result.attempts = spent.attempts;
         result.tried = spent.tried.clone();

@@ -333,11 +333,11 @@ impl Worker {
             // A model or provider in a shared cooldown: a later model of the route that is
             // not cooling runs instead; when every one is, wait for this one (no call is
             // spent rediscovering what another worker found).
-            let (m, p) = (
-                plan.current().model.clone(),
-                plan.current().provider.clone(),
-            );
-            if let Some(left) = self.cooldowns.remaining(&m, &p) {
+            let cooling = {
+                let c = plan.current();
+                self.cooldowns.remaining(&c.model, &c.provider)
+            };
+            if let Some(left) = cooling {
                 let alt = plan.usable_alternatives().into_iter().find(|&i| {
                     let c = &plan.candidates()[i];
                     self.cooldowns.remaining(&c.model, &c.provider).is_none()
@@ -393,8 +393,7 @@ impl Worker {
                 context::Fit::Trimmed { messages, dropped } => Some((messages, dropped)),
                 context::Fit::Skip(why) => {
                     release_unused(lease).await;
-                    plan.exclude(plan.current_index());
-                    if plan.ensure_usable() {
+                    if plan.skip_current() {
                         metrics::counter!("llm_worker_fallbacks_total").increment(1);
                         continue;
                     }
@@ -415,8 +414,7 @@ impl Worker {
                     // on_exhausted = "cheaper" (or a worst case not computable): another
                     // model of the route whose worst case fits may run.
                     release_unused(lease).await;
-                    plan.exclude(plan.current_index());
-                    if plan.ensure_usable() {
+                    if plan.skip_current() {
                         continue;
                     }
                     break Finished::Failed(e);
@@ -460,8 +458,7 @@ impl Worker {
                     if since.elapsed() >= self.cfg.slots.acquire_timeout_ms
                         && !plan.usable_alternatives().is_empty()
                     {
-                        plan.exclude(plan.current_index());
-                        plan.ensure_usable();
+                        plan.skip_current();
                         limited_since = None;
                         metrics::counter!("llm_worker_fallbacks_total").increment(1);
                         continue;
