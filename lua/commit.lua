@@ -7,6 +7,10 @@
 -- KEYS[6] in-progress marker of the job id (deleted if it is this entry's)
 -- KEYS[7] hand-back tombstone of the job entry (lua/handback.lua): the entry was moved
 -- KEYS[8] dropped-entry tombstones (lua/reclaim.lua; sorted set: entry id -> expiry ms)
+-- KEYS[9] KEYS[10] spend of the UTC day and month (hash: model -> picodollars), what
+-- `status` shows per model: each `<model>:cost_picos` increment is added there too, with
+-- redis.pcall (display figures: a wrong type or overflow there never fails a commit; the
+-- exact bill is KEYS[4]). The day expires after 40 days, the month after 400.
 -- ARGV[1] group   ARGV[2] job entry id   ARGV[3] results/dead MAXLEN (approximate)
 -- ARGV[4] result marker ttl in seconds (0 = no marker)   ARGV[5] 1 = XDEL the job entry
 -- ARGV[6] the result's status (stored in the marker)   ARGV[7] this worker's consumer name
@@ -220,6 +224,13 @@ if #deadl > 0 then
 end
 for j = 1, #costl, 2 do
   redis.call('HINCRBY', costs, costl[j], costl[j + 1])
+  local model = string.match(costl[j], '^(.*):cost_picos$')
+  if model then
+    redis.pcall('HINCRBY', KEYS[9], model, costl[j + 1])
+    redis.pcall('EXPIRE', KEYS[9], 3456000)
+    redis.pcall('HINCRBY', KEYS[10], model, costl[j + 1])
+    redis.pcall('EXPIRE', KEYS[10], 34560000)
+  end
 end
 -- An ok marker is never replaced: the id's answer stays the one producers already saw.
 if ttl > 0 and mstatus ~= 'ok' then

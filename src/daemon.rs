@@ -86,6 +86,7 @@ pub async fn run(
     if logged {
         tracing::info!("Redis answers; starting");
     }
+    record_key_check(&cfg, &pool).await;
     let slots_task = slots.spawn_background(background.clone());
     let budgets = crate::budget::Budgets::new(cfg.clone(), pool.clone());
     let rates = crate::ratelimit::RateLimits::new(cfg.clone(), pool.clone());
@@ -93,7 +94,17 @@ pub async fn run(
     // Known before the first job: a worker started during a cooldown routes around it.
     let _ = tokio::time::timeout(Duration::from_secs(1), cooldowns.refresh()).await;
     let cooldown_task = cooldowns.spawn_refresh(background.clone());
-    let mut worker = Worker::new(cfg.clone(), queue, slots.clone(), budgets, rates, cooldowns)?;
+    let tenants = crate::tenants::Tenants::new(&cfg, pool.clone(), slots.token());
+    let tenant_task = tenants.spawn_background(background.clone());
+    let mut worker = Worker::new(
+        cfg.clone(),
+        queue,
+        slots.clone(),
+        budgets,
+        rates,
+        cooldowns,
+        tenants.clone(),
+    )?;
     worker.state = state_holder.clone();
     let worker = Arc::new(worker);
     if let Some(tx) = state_out {
@@ -118,15 +129,65 @@ pub async fn run(
             Err(_) => tracing::error!("releasing slots timed out; their TTL frees them"),
         }
     };
-    tokio::join!(release, worker.remove_own_consumer());
+    let give_back = async {
+        if !tenants.any() {
+            return;
+        }
+        match tokio::time::timeout(
+            Duration::from_millis(1500),
+            tenants.release_all(Duration::from_millis(500)),
+        )
+        .await
+        {
+            Ok(Ok(n)) => tracing::info!(released = n, "released every tenant place"),
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "releasing tenant places failed; they expire after slots.ttl_ms")
+            }
+            Err(_) => {
+                tracing::error!("releasing tenant places timed out; they expire after slots.ttl_ms")
+            }
+        }
+    };
+    tokio::join!(release, give_back, worker.remove_own_consumer());
     background.cancel();
     let _ = tokio::time::timeout(Duration::from_millis(300), slots_task).await;
     let _ = tokio::time::timeout(Duration::from_millis(300), cooldown_task).await;
+    let _ = tokio::time::timeout(Duration::from_millis(300), tenant_task).await;
     if let Some(t) = server_task {
         let _ = tokio::time::timeout(Duration::from_millis(300), t).await;
     }
     tracing::info!("stopped cleanly");
     Ok(())
+}
+
+/// Records what this worker's key check found (`cfg.key_check`) in `{ns}:keycheck`
+/// (provider -> JSON: found, worker, at_ms), so `status` shows what the fleet found.
+/// Best effort and bounded: a Redis that does not answer only leaves `status` without it.
+async fn record_key_check(cfg: &Config, pool: &crate::connect::Commands) {
+    if cfg.key_check.is_empty() {
+        return;
+    }
+    let at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let mut cmd = redis::cmd("HSET");
+    cmd.arg(crate::queue::Keys::new(&cfg.queue.namespace).key_check());
+    for (provider, found) in &cfg.key_check {
+        let v = serde_json::json!({"found": found, "worker": cfg.queue.consumer, "at_ms": at_ms});
+        cmd.arg(provider).arg(v.to_string());
+    }
+    let write = async {
+        let mut c = pool.get().await.map_err(|e| e.to_string())?;
+        cmd.query_async::<i64>(&mut c)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    match tokio::time::timeout(Duration::from_secs(1), write).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "key check not recorded for status"),
+        Err(_) => tracing::debug!("key check not recorded for status (timeout)"),
+    }
 }
 
 fn log_release_failure(e: &SlotError) {

@@ -24,6 +24,23 @@ pub enum Found {
     Unknown(String),
 }
 
+impl Found {
+    /// One line for `status` (never the key).
+    pub fn summary(&self) -> String {
+        match self {
+            Found::Ok { visible, unseen } if unseen.is_empty() => {
+                format!("ok: key accepted, {visible} models listed")
+            }
+            Found::Ok { visible, unseen } => format!(
+                "ok: key accepted, {visible} models listed; cannot see {} (left out of routing)",
+                unseen.join(", ")
+            ),
+            Found::Skipped => "not checked (validate_key = false, or no model uses it)".into(),
+            Found::Unknown(why) => format!("unknown: {why}; its models stay in routing"),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     #[error(

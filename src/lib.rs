@@ -38,6 +38,7 @@ pub mod sim;
 pub mod slots;
 pub mod state;
 pub mod sync;
+pub mod tenants;
 pub mod tools;
 pub mod worker;
 

@@ -195,7 +195,13 @@ async fn real_main(
                 .context("installing signal handlers")?;
             let mut cfg = cfg;
             match llm_worker::keycheck::check(&cfg).await {
-                Ok(found) => cfg.unavailable_models = llm_worker::keycheck::unseen_models(&found),
+                Ok(found) => {
+                    cfg.unavailable_models = llm_worker::keycheck::unseen_models(&found);
+                    cfg.key_check = found
+                        .iter()
+                        .map(|(p, f)| (p.clone(), f.summary()))
+                        .collect();
+                }
                 Err(e) => {
                     tracing::error!(error = %e, "stopping: a provider rejected its API key");
                     eprintln!("error: {e}");
@@ -254,19 +260,8 @@ async fn real_main(
             match llm_worker::keycheck::check(&cfg).await {
                 Ok(found) => {
                     for (provider, f) in found {
-                        use llm_worker::keycheck::Found;
-                        match f {
-                            Found::Ok { visible, unseen } if unseen.is_empty() => {
-                                eprintln!("provider {provider}: key ok ({visible} models visible)")
-                            }
-                            Found::Ok { visible, unseen } => eprintln!(
-                                "provider {provider}: key ok ({visible} models visible); cannot see {} (left out of routing)",
-                                unseen.join(", ")
-                            ),
-                            Found::Skipped => {}
-                            Found::Unknown(why) => {
-                                eprintln!("provider {provider}: key not checked: {why}")
-                            }
+                        if f != llm_worker::keycheck::Found::Skipped {
+                            eprintln!("provider {provider}: key {}", f.summary());
                         }
                     }
                 }

@@ -10,12 +10,6 @@
 use redis::Script;
 use std::sync::LazyLock;
 
-/// Result + dead letter + cost + result marker + XACK, checks before the first write.
-pub static COMMIT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/commit.lua")));
-/// Idempotency by job id: done / claimed / busy.
-pub static CLAIM_ID: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/claim_id.lua")));
 /// A script of `lua/` with a shared prelude of `lua/` prepended.
 macro_rules! with_prelude {
     ($prelude:literal, $file:literal) => {
@@ -28,6 +22,12 @@ macro_rules! with_prelude {
     };
 }
 
+/// Result + dead letter + cost + result marker + XACK, checks before the first write.
+pub static COMMIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/commit.lua")));
+/// Idempotency by job id: done / claimed / busy.
+pub static CLAIM_ID: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/claim_id.lua")));
 /// Scripts that beat the fleet heartbeat and read the stall gate start with its prelude
 /// (`lua/stall_gate.lua`).
 macro_rules! gated_script {
@@ -41,8 +41,15 @@ pub static KEEPALIVE: LazyLock<Script> = gated_script!("keepalive.lua");
 /// Stall gate + XAUTOCLAIM + delivery counts + tombstones of entries found deleted.
 pub static RECLAIM: LazyLock<Script> = gated_script!("reclaim.lua");
 /// Shutdown hand-back of unfinished entries as new entries.
-pub static HAND_BACK: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/handback.lua")));
+pub static HAND_BACK: LazyLock<Script> = with_prelude!("move_entry.lua", "handback.lua");
+/// A tenant's place under its cap, or the job parked (same move as a hand-back).
+pub static TENANT_ADMIT: LazyLock<Script> = with_prelude!("move_entry.lua", "tenant_admit.lua");
+/// A tenant lease given back; parked jobs moved back for the free places.
+pub static TENANT_RELEASE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/tenant_release.lua")));
+/// Renewal of this process's tenant leases.
+pub static TENANT_RENEW: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/tenant_renew.lua")));
 /// Removal of consumers that own no pending entry.
 pub static CONSUMERS: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/consumers.lua")));

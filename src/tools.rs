@@ -392,6 +392,54 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         .into_iter()
         .map(|(what, ms, why)| json!({"what": what, "ms_left": ms, "reason": why}))
         .collect();
+    // Spend per model in the UTC day and month (written with each commit).
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let [day, month] = cost::spend_periods(now_ms);
+    let mut spend = serde_json::Map::new();
+    for (label, period) in [("today", &day), ("this_month", &month)] {
+        let by_model: BTreeMap<String, i64> =
+            c.hgetall(keys.spend(period)).await.unwrap_or_default();
+        let total: i64 = by_model.values().fold(0i64, |a, v| a.saturating_add(*v));
+        spend.insert(
+            label.into(),
+            json!({
+                "window": period,
+                "total_usd": cost::format_usd(cost::from_picos(total)),
+                "models": by_model
+                    .iter()
+                    .map(|(m, p)| (m.clone(), json!(cost::format_usd(cost::from_picos(*p)))))
+                    .collect::<serde_json::Map<_, _>>(),
+            }),
+        );
+    }
+    let key_check: BTreeMap<String, String> = c.hgetall(keys.key_check()).await.unwrap_or_default();
+    let key_check: serde_json::Map<String, Value> = key_check
+        .into_iter()
+        .map(|(p, v)| (p, serde_json::from_str(&v).unwrap_or(json!({"found": v}))))
+        .collect();
+    // Tenants under a cap: places held and jobs parked, per pool and tenant.
+    let parked_index: Vec<String> = c.hkeys(keys.parked_index()).await.unwrap_or_default();
+    let mut tenants = vec![];
+    for f in parked_index {
+        let Some((pool, tenant)) = f.split_once(':') else {
+            continue;
+        };
+        let parked: u64 = c.xlen(keys.parked(pool, tenant)).await.unwrap_or(0);
+        let places: u64 = c
+            .zcard(keys.tenant_holders(pool, tenant))
+            .await
+            .unwrap_or(0);
+        tenants.push(json!({
+            "pool": pool,
+            "tenant": tenant,
+            "cap": cfg.pools.get(pool).map(|p| p.max_per_tenant),
+            "places_held": places,
+            "parked": parked,
+        }));
+    }
     Ok(json!({
         "redis": crate::config::redact_url(&cfg.redis.url),
         "stream": keys.jobs,
@@ -403,7 +451,10 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         "pools": pools,
         "cost": {"total_usd": cost::format_usd(cost::from_picos(total_picos)), "models": per_model},
         "budgets": budgets,
+        "spend": spend,
         "cooldowns": cooldowns,
+        "key_check": key_check,
+        "tenants": tenants,
     }))
 }
 
@@ -480,6 +531,42 @@ pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
         "cost total      ${}",
         v["cost"]["total_usd"].as_str().unwrap_or("0")
     )?;
+    for label in ["today", "this_month"] {
+        let w = &v["spend"][label];
+        if w.is_null() {
+            continue;
+        }
+        writeln!(
+            out,
+            "spend {:<10} ${}  ({})",
+            label.replace('_', " "),
+            w["total_usd"].as_str().unwrap_or("0"),
+            w["window"].as_str().unwrap_or("")
+        )?;
+        for (m, usd) in w["models"].as_object().into_iter().flatten() {
+            writeln!(out, "  {m:<18} ${}", usd.as_str().unwrap_or("0"))?;
+        }
+    }
+    for (p, k) in v["key_check"].as_object().into_iter().flatten() {
+        writeln!(
+            out,
+            "key {:<14} {}  (worker {})",
+            p,
+            k["found"].as_str().unwrap_or(""),
+            k["worker"].as_str().unwrap_or("?")
+        )?;
+    }
+    for t in v["tenants"].as_array().into_iter().flatten() {
+        writeln!(
+            out,
+            "tenant {:<13} pool {}: {} of {} places, {} jobs parked",
+            t["tenant"].as_str().unwrap_or(""),
+            t["pool"].as_str().unwrap_or(""),
+            t["places_held"],
+            t["cap"],
+            t["parked"]
+        )?;
+    }
     for c in v["cooldowns"].as_array().into_iter().flatten() {
         writeln!(
             out,

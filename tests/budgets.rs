@@ -10,6 +10,7 @@ use llm_worker::sim::{Fault, SimOptions};
 use redis::AsyncCommands;
 use rust_decimal::Decimal;
 use std::collections::HashMap;
+use std::str::FromStr;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(60);
@@ -155,10 +156,20 @@ async fn fifty_concurrent_jobs_never_overspend_a_budget_that_fails() {
         llm_worker::cost::format_usd(s.limit),
         "{st}"
     );
+    // Today's and this month's spend per model add up to what was billed.
+    for w in ["today", "this_month"] {
+        let models = st["spend"][w]["models"].as_object().expect("spend models");
+        let sum: Decimal = models
+            .values()
+            .map(|v| Decimal::from_str(v.as_str().expect("usd")).expect("decimal"))
+            .sum();
+        assert_eq!(sum, spent, "{w}: {st}");
+    }
     let mut text = vec![];
     llm_worker::tools::print_status(&st, &mut text).expect("print");
     let text = String::from_utf8(text).expect("utf8");
     assert!(text.contains("budget ten"), "{text}");
+    assert!(text.contains("spend today"), "{text}");
     stop_clean(&mut w, T).await;
 }
 

@@ -421,6 +421,27 @@ async fn a_model_the_key_cannot_see_is_left_out_of_routing() {
     assert_eq!(r["tried"], "m2", "m1 never tried: {r:?}");
     assert_eq!(total_calls(&sim.sim.stats(), "m1"), 0);
     assert!(w.log().contains("cannot see these models"), "{}", w.log());
+    // `status` shows what the key check found, and today's spend on m2.
+    let out = run_bin_async(&["--config", cfg.to_str().expect("utf8"), "status"], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stdout.contains("key p1") && out.stdout.contains("cannot see m1"),
+        "{}",
+        out.stdout
+    );
+    let m2_line = out
+        .stdout
+        .lines()
+        .skip_while(|l| !l.starts_with("spend today"))
+        .find(|l| l.trim_start().starts_with("m2"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        m2_line.contains(&format!("${}", r["cost_usd"])),
+        "today's spend on m2 is the job's cost {}: {}",
+        r["cost_usd"],
+        out.stdout
+    );
     stop_clean(&mut w, T).await;
 }
 

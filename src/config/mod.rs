@@ -67,6 +67,10 @@ pub struct Config {
     /// routing. Never read from or written to a file.
     #[serde(skip)]
     pub unavailable_models: std::collections::BTreeSet<String>,
+    /// What the key check found per provider (one line each, no secret), recorded in
+    /// Redis at start for `status`. Never read from or written to a file.
+    #[serde(skip)]
+    pub key_check: std::collections::BTreeMap<String, String>,
 }
 
 /// A configuration problem. `key` is the dotted path of the offending key

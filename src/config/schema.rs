@@ -130,6 +130,10 @@ pub struct LogConfig {
 pub struct PoolConfig {
     /// N: fleet-wide concurrent calls of this pool.
     pub slots: NonZeroU32,
+    /// Slots one tenant (a job's `tenant`) may hold at once, fleet-wide; 0 = no cap.
+    /// A job of a tenant at its cap is parked, not held (see `tenants`).
+    #[serde(default)]
+    pub max_per_tenant: u32,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

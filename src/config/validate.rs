@@ -249,6 +249,13 @@ impl Config {
             "pools",
             "at least one pool is required, e.g. [pools.default] slots = 8",
         )?;
+        for (name, p) in &self.pools {
+            require(
+                p.max_per_tenant == 0 || !name.contains(':'),
+                &format!("pools.{name}.max_per_tenant"),
+                "needs a pool name without ':' (it is part of the tenant's Redis keys); rename the pool",
+            )?;
+        }
         for (name, p) in &self.providers {
             require(
                 p.base_url.starts_with("http://") || p.base_url.starts_with("https://"),

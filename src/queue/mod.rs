@@ -131,6 +131,63 @@ impl Keys {
     pub fn dropped(&self) -> String {
         format!("{}:dropped", self.prefix)
     }
+    /// What the workers' key checks found at start (hash: provider -> JSON).
+    pub fn key_check(&self) -> String {
+        format!("{}:keycheck", self.prefix)
+    }
+    /// Spend of one UTC day or month per model (hash: model -> picodollars); `period` as
+    /// [`crate::cost::spend_periods`] names it.
+    pub fn spend(&self, period: &str) -> String {
+        format!("{}:spend:{period}", self.prefix)
+    }
+    /// A tenant's places in a pool under `pools.<p>.max_per_tenant` (sorted set: lease
+    /// member -> expiry, server ms; see `lua/tenant_admit.lua`).
+    pub fn tenant_holders(&self, pool: &str, tenant: &str) -> String {
+        format!("{}:tenant:{pool}:{tenant}", self.prefix)
+    }
+    /// A tenant's jobs parked while it had no free place in the pool (a stream; entries
+    /// verbatim, moved back to the jobs stream as places free).
+    pub fn parked(&self, pool: &str, tenant: &str) -> String {
+        format!("{}:parked:{pool}:{tenant}", self.prefix)
+    }
+    /// Index of the parked streams (hash: `<pool>:<tenant>` -> 1). Pool names hold no ':'
+    /// when a pool has `max_per_tenant` (checked by the config), so the field splits at
+    /// its first ':'.
+    pub fn parked_index(&self) -> String {
+        format!("{}:parked", self.prefix)
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Where a job asks for a place under its tenant's cap ([`Queue::admit_tenant`]).
+#[derive(Debug, Clone)]
+pub struct TenantPlace<'a> {
+    pub pool: &'a str,
+    pub tenant: &'a str,
+    /// The lease's member in the holder set (unique per lease).
+    pub member: &'a str,
+    pub cap: u32,
+    pub ttl_ms: u64,
+}
+
+/// What [`Queue::admit_tenant`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TenantAdmit {
+    /// The job holds a place now (renew it while it runs, release it after).
+    Admitted,
+    /// No place: the entry moved to the tenant's parked stream (this new id there),
+    /// acknowledged and deleted here; it comes back when a place frees.
+    Parked(String),
+    /// Not pending under this consumer any more: nothing done.
+    NotOurs,
+    /// Deleted from the stream while pending: acknowledged.
+    Deleted,
 }
 
 /// One job entry as read from the stream.
@@ -444,7 +501,10 @@ impl Queue {
             .key(dedupe_key)
             .key(inflight_key)
             .key(self.keys.handed_back(&c.entry_id))
-            .key(self.keys.dropped())
+            .key(self.keys.dropped());
+        let [day, month] = crate::cost::spend_periods(now_ms());
+        inv.key(self.keys.spend(&day))
+            .key(self.keys.spend(&month))
             .arg(&self.group)
             .arg(&c.entry_id)
             .arg(self.results_maxlen)
@@ -706,12 +766,43 @@ impl Queue {
         deliveries: u64,
         billed: Option<&[u8]>,
     ) -> Result<HandBack, QueueError> {
-        let script = &*scripts::HAND_BACK;
+        let inv = self.move_invocation(
+            &scripts::HAND_BACK,
+            entry_id,
+            job_id,
+            deliveries,
+            billed,
+            &[],
+        );
+        let mut conn = self.conn.get().await?;
+        let (kind, id): (String, String) = inv.invoke_async(&mut conn).await?;
+        Ok(match kind.as_str() {
+            "moved" => HandBack::Moved(id),
+            "deleted" => HandBack::Deleted,
+            _ => HandBack::NotOurs,
+        })
+    }
+
+    /// The invocation of a script that runs `lua/move_entry.lua` on `entry_id`: KEYS[1..3]
+    /// (jobs, the id's in-progress marker, the entry's tombstone) then `more_keys`;
+    /// ARGV[1..8] as `handback.lua` documents them.
+    fn move_invocation<'s>(
+        &self,
+        script: &'s redis::Script,
+        entry_id: &str,
+        job_id: Option<&str>,
+        deliveries: u64,
+        billed: Option<&[u8]>,
+        more_keys: &[String],
+    ) -> redis::ScriptInvocation<'s> {
         let mut inv = script.prepare_invoke();
         inv.key(&self.keys.jobs)
             .key(self.keys.inflight(job_id.unwrap_or("")))
-            .key(self.keys.handed_back(entry_id))
-            .arg(&self.group)
+            .key(self.keys.handed_back(entry_id));
+        for k in more_keys {
+            inv.key(k);
+        }
+        inv.arg(&self.group)
             .arg(&self.consumer)
             .arg(entry_id)
             .arg(deliveries)
@@ -719,12 +810,46 @@ impl Queue {
             .arg(self.tombstone_ttl_s())
             .arg(billed.unwrap_or_default())
             .arg(MAX_VERBATIM_FIELDS);
+        inv
+    }
+
+    /// A place for `entry_id`'s job under its tenant's cap in a pool, or, with none free,
+    /// the job parked in one step (`lua/tenant_admit.lua`): moved like a hand-back (same
+    /// fields, `deliveries`, `billed`, marker release, tombstone) but to the tenant's parked
+    /// stream, so it holds neither a slot nor a job permit while it waits and does not
+    /// hold up other tenants' jobs behind it.
+    pub async fn admit_tenant(
+        &self,
+        entry_id: &str,
+        job_id: Option<&str>,
+        deliveries: u64,
+        billed: Option<&[u8]>,
+        place: &TenantPlace<'_>,
+    ) -> Result<TenantAdmit, QueueError> {
+        let keys = [
+            self.keys.tenant_holders(place.pool, place.tenant),
+            self.keys.parked(place.pool, place.tenant),
+            self.keys.parked_index(),
+        ];
+        let mut inv = self.move_invocation(
+            &scripts::TENANT_ADMIT,
+            entry_id,
+            job_id,
+            deliveries,
+            billed,
+            &keys,
+        );
+        inv.arg(place.member)
+            .arg(place.cap)
+            .arg(place.ttl_ms)
+            .arg(format!("{}:{}", place.pool, place.tenant));
         let mut conn = self.conn.get().await?;
         let (kind, id): (String, String) = inv.invoke_async(&mut conn).await?;
         Ok(match kind.as_str() {
-            "moved" => HandBack::Moved(id),
-            "deleted" => HandBack::Deleted,
-            _ => HandBack::NotOurs,
+            "admitted" => TenantAdmit::Admitted,
+            "parked" => TenantAdmit::Parked(id),
+            "deleted" => TenantAdmit::Deleted,
+            _ => TenantAdmit::NotOurs,
         })
     }
 
@@ -791,6 +916,10 @@ mod tests {
             k.handed_back("1-0"),
             k.dropped(),
             k.costs.clone(),
+            k.spend("d:2026-12-03"),
+            k.tenant_holders("default", "acme"),
+            k.parked("default", "acme"),
+            k.parked_index(),
         ] {
             assert!(key.starts_with("{llm}:"), "{key}");
         }

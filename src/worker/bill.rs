@@ -83,6 +83,9 @@ pub(super) struct Spent {
     pub(super) unknown_worst: Decimal,
     /// Messages left out of the last call to fit its model's window.
     pub(super) trimmed_messages: Option<u64>,
+    /// The entry was parked under its tenant's cap (moved and acknowledged by the
+    /// admission script): nothing is left to hand back.
+    pub(super) parked: bool,
 }
 
 impl Spent {

@@ -10,7 +10,7 @@
 use crate::context;
 use crate::job::{self};
 use crate::provider::{self, CallError, ProviderClient};
-use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus};
+use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus, TenantAdmit};
 use crate::quota;
 use crate::router::{Candidate, Decision, ErrorClass, Plan};
 use crate::slots::{Lease, SlotError};
@@ -46,6 +46,8 @@ impl Worker {
         };
         match commit {
             Some(commit) => Box::pin(self.commit_until_written(&d, &commit, &abort)).await,
+            // Moved to its tenant's parked stream and acknowledged: never pending again.
+            None if lock(&spent).parked => true,
             None if self.draining.is_cancelled() => {
                 let (called, billed) = {
                     let s = lock(&spent);
@@ -329,6 +331,8 @@ impl Worker {
         let mut check_ours = !job.keyed && (d.deliveries > 1 || d.reclaimed);
         // Since when the current model has been held back by a fleet-wide rate limit.
         let mut limited_since: Option<Instant> = None;
+        // The job's place under its tenant's cap in the current model's pool, if capped.
+        let mut place: Option<crate::tenants::TenantLease> = None;
         let finished = loop {
             // A model or provider in a shared cooldown: a later model of the route that is
             // not cooling runs instead; when every one is, wait for this one (no call is
@@ -362,11 +366,35 @@ impl Worker {
             {
                 break Finished::Failed(e.to_string());
             }
+            // A place under the tenant's cap before a slot: with none free the job is
+            // parked (it holds no slot and no permit while it waits; jobs behind it go on).
+            let pool_now = &plan.current().pool;
+            if place.as_ref().is_some_and(|l| l.pool() != pool_now) {
+                place = None; // gives the other pool's place back
+            }
+            if place.is_none()
+                && let Some(tenant) = job.tenant.as_deref()
+                && let Some(cap) = self.tenants.cap(pool_now)
+            {
+                let pool_now = pool_now.clone();
+                match self
+                    .tenant_place(d, &job, tenant, &pool_now, cap, spent)
+                    .await?
+                {
+                    Place::Held(l) => place = Some(l),
+                    Place::Parked => {
+                        lock(spent).parked = true;
+                        return None;
+                    }
+                    Place::Gone => return None,
+                    Place::Broken(why) => break Finished::Failed(why),
+                }
+            }
             let throttled = plan.current().provider.clone();
             if let Some(c) = self.providers.get(&throttled) {
                 self.unless_draining(c.throttle()).await?;
             }
-            let lease = self.take_slot(&mut plan).await?;
+            let lease = self.take_slot(&mut plan, place.is_some()).await?;
             let cand = plan.current().clone();
             if cand.provider != throttled
                 && let Some(c) = self.providers.get(&cand.provider)
@@ -574,7 +602,9 @@ impl Worker {
     /// `slots.acquire_timeout_ms`, a later model of the route with a free slot is used
     /// instead, else it waits again. It never fails for lack of a slot alone; `None` only
     /// when the slots are stopped (shutdown): the job is then left pending.
-    pub(super) async fn take_slot(&self, plan: &mut Plan) -> Option<Lease> {
+    /// `placed`: the job holds a tenant place in the current pool, so the fast path never
+    /// moves it to another capped pool (where it holds none); the loop asks there first.
+    pub(super) async fn take_slot(&self, plan: &mut Plan, placed: bool) -> Option<Lease> {
         let timeout = self.cfg.slots.acquire_timeout_ms;
         let mut backoff = Backoff::redis();
         loop {
@@ -587,7 +617,7 @@ impl Worker {
                 Err(SlotError::Timeout { .. }) => {
                     for i in plan.usable_alternatives() {
                         let alt_pool = plan.candidates()[i].pool.clone();
-                        if alt_pool == pool {
+                        if alt_pool == pool || (placed && self.tenants.cap(&alt_pool).is_some()) {
                             continue;
                         }
                         if let Ok(Some(l)) = self.slots.try_acquire(&alt_pool).await {
@@ -602,6 +632,79 @@ impl Worker {
                     // One line per job, not per retry: the reader logs the outage itself.
                     if backoff.failures() == 0 {
                         tracing::warn!(error = %e, pool = %pool, "cannot take a slot; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// A place for the job under its tenant's cap in `pool` ([`Queue::admit_tenant`]),
+    /// retried while Redis does not answer; `None` when draining began first.
+    async fn tenant_place(
+        &self,
+        d: &Delivery,
+        job: &job::Job,
+        tenant: &str,
+        pool: &str,
+        cap: u32,
+        spent: &Mutex<Spent>,
+    ) -> Option<Place> {
+        let mut backoff = Backoff::redis();
+        loop {
+            let member = self.tenants.new_member();
+            let (called, billed) = {
+                let s = lock(spent);
+                (s.called, s.carry())
+            };
+            // As a hand-back: a delivery that never called a model is not one.
+            let deliveries = if called {
+                d.deliveries
+            } else {
+                d.deliveries.saturating_sub(1)
+            };
+            let at = crate::queue::TenantPlace {
+                pool,
+                tenant,
+                member: &member,
+                cap,
+                ttl_ms: self.tenants.ttl_ms(),
+            };
+            let job_id = job.keyed.then_some(job.id.as_str());
+            match self
+                .queue
+                .admit_tenant(&d.entry_id, job_id, deliveries, billed.as_deref(), &at)
+                .await
+            {
+                Ok(TenantAdmit::Admitted) => {
+                    return Some(Place::Held(self.tenants.admitted(pool, tenant, member)));
+                }
+                Ok(TenantAdmit::Parked(new)) => {
+                    tracing::debug!(entry = %d.entry_id, parked = %new, pool, "tenant at its cap; job parked until a place frees");
+                    metrics::counter!("llm_worker_tenant_parked_total", "pool" => pool.to_string())
+                        .increment(1);
+                    return Some(Place::Parked);
+                }
+                Ok(TenantAdmit::NotOurs) => {
+                    tracing::info!(entry = %d.entry_id, "job no longer ours (committed or taken over); left alone");
+                    return Some(Place::Gone);
+                }
+                Ok(TenantAdmit::Deleted) => {
+                    tracing::warn!(entry = %d.entry_id, "job was deleted from the stream while pending; acknowledged");
+                    return Some(Place::Gone);
+                }
+                Err(e) if !e.heals() => {
+                    tracing::error!(entry = %d.entry_id, error = %e, "tenant place check impossible; job failed without a model call (fix the key named)");
+                    return Some(Place::Broken(format!(
+                        "tenant place check impossible, no model called: {e}"
+                    )));
+                }
+                Err(e) => {
+                    if backoff.failures() == 0 {
+                        tracing::warn!(entry = %d.entry_id, error = %e, "tenant place check failed; retrying until Redis answers");
                     }
                     backoff.sleep(&self.draining).await;
                     if self.draining.is_cancelled() {
@@ -990,6 +1093,17 @@ impl Worker {
 pub(super) const RELEASE_BOUND: Duration = Duration::from_secs(5);
 
 /// Gives back a slot taken for a call that will not start (draining began).
+/// What [`Worker::tenant_place`] found.
+enum Place {
+    Held(crate::tenants::TenantLease),
+    /// Moved to the tenant's parked stream (acknowledged here).
+    Parked,
+    /// Not ours any more, or deleted while pending: nothing to do.
+    Gone,
+    /// A key of the wrong type: fail the job without a call.
+    Broken(String),
+}
+
 pub(super) async fn release_unused(lease: Lease) {
     if let Err(e) = lease.release().await {
         tracing::warn!(error = %e, "slot release failed; its TTL frees it");

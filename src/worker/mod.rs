@@ -92,6 +92,8 @@ pub struct Worker {
     rates: crate::ratelimit::RateLimits,
     /// Models and providers the fleet routes around for a while.
     pub cooldowns: crate::cooldown::Cooldowns,
+    /// Tenant places under `pools.<p>.max_per_tenant` (admit or park before a slot).
+    tenants: crate::tenants::Tenants,
     /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
     /// takes no new jobs (each paused job pushes it on while it still waits).
     paused_until: Mutex<Option<Instant>>,
@@ -105,6 +107,7 @@ impl Worker {
         budgets: crate::budget::Budgets,
         rates: crate::ratelimit::RateLimits,
         cooldowns: crate::cooldown::Cooldowns,
+        tenants: crate::tenants::Tenants,
     ) -> Result<Worker, WorkerError> {
         let cfg_concurrency = cfg.worker.concurrency();
         let mut providers = HashMap::new();
@@ -151,6 +154,7 @@ impl Worker {
             budgets,
             rates,
             cooldowns,
+            tenants,
             paused_until: Mutex::new(None),
         })
     }

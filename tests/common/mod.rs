@@ -243,6 +243,10 @@ pub struct TestConfig {
     /// `providers.*.validate_key` (off by default in tests: the sim lists only the
     /// models it knows of unless told which).
     pub validate_key: bool,
+    /// Lines added to `[pools.default]` (e.g. `max_per_tenant = 4`).
+    pub pool_extra: String,
+    /// Lines added to `[queue]` (e.g. `max_deliveries = 1`).
+    pub queue_extra: String,
 }
 
 impl TestConfig {
@@ -260,6 +264,7 @@ url = "{redis}"
 namespace = "{ns}"
 claim_idle_ms = 60000
 block_ms = 200
+{queue_extra}
 
 [worker]
 concurrency = {conc}
@@ -277,6 +282,7 @@ level = "info,llm_worker=debug"
 
 [pools.default]
 slots = {slots}
+{pool_extra}
 
 [providers.p1]
 base_url = "http://{sim}/v1"
@@ -328,6 +334,8 @@ max_retry_after_ms = 2000
             sim = self.sim,
             extra = self.extra,
             validate = self.validate_key,
+            pool_extra = self.pool_extra,
+            queue_extra = self.queue_extra,
         )
     }
 
@@ -345,6 +353,8 @@ max_retry_after_ms = 2000
             listen: String::new(),
             extra: String::new(),
             validate_key: false,
+            pool_extra: String::new(),
+            queue_extra: String::new(),
         }
     }
 
