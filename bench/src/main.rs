@@ -30,7 +30,8 @@ struct Args {
     /// Small job counts (a CI smoke, under a minute).
     #[arg(long)]
     quick: bool,
-    /// Run one scenario: a, b, c, d, e, f, g, h, rt (round trips by MONITOR), ceiling.
+    /// Run one scenario: a, b, c, d, e, f, g, h, q (quotas configured), rt (round trips
+    /// by MONITOR), ceiling.
     #[arg(long)]
     only: Option<String>,
 }
@@ -78,6 +79,7 @@ fn spec(label: &str, subject: Subject, jobs: u64, latency_ms: u64, n: u32) -> Sp
         peer_concurrency: 64,
         processes: 1,
         monitor: false,
+        quotas: false,
         exit_grace: Duration::from_secs(30),
     }
 }
@@ -191,6 +193,32 @@ async fn main() -> anyhow::Result<()> {
             val(&l, |o| mb(o.peak_rss_kb)),
             val(&p, |o| mb(o.peak_rss_kb)),
         ));
+    }
+
+    // (q) Scenario a with a budget and fleet-wide rpm/tpm configured (issue 10: the
+    // figures must hold with quotas on), side by side with the plain worker and the peer.
+    if want("q") {
+        let l = go(&env, args.quick, spec("q-plain", Llm, sz.a, 0, 64), &mut all).await?;
+        let mut qs = spec("q-quotas", Llm, sz.a, 0, 64);
+        qs.quotas = true;
+        let q = go(&env, args.quick, qs, &mut all).await?;
+        let p = go(&env, args.quick, spec("q-peer", Peer, sz.a, 0, 64), &mut all).await?;
+        let t = format!("0 ms, C=64, N=64, {} jobs", sz.a);
+        for (what, f) in [
+            ("jobs/s", (|o: &Outcome| o.jobs_per_s) as fn(&Outcome) -> f64),
+            ("commands/job", |o: &Outcome| o.commands_per_job),
+            ("Redis CPU ms/job", |o: &Outcome| o.redis_cpu_ms_per_job),
+            ("worker CPU ms/job", |o: &Outcome| o.worker_cpu_ms_per_job),
+        ] {
+            rep.push(
+                Row::new("q", &format!("{what}, budget + rpm/tpm on, {t}"), "as without")
+                    .vals(val(&q, f), val(&p, f)),
+            );
+            rep.push(
+                Row::new("q", &format!("{what}, same run, quotas off"), "-")
+                    .vals(val(&l, f), val(&p, f)),
+            );
+        }
     }
 
     // Round trips: a MONITOR pass (MONITOR slows Redis, so its timings are not used).

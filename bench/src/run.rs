@@ -59,6 +59,9 @@ pub struct Spec {
     pub processes: usize,
     /// Count client and in-script commands with MONITOR (slows Redis: not for timing).
     pub monitor: bool,
+    /// llm-worker: a budget (never exhausted), fleet-wide rpm/tpm on the provider and the
+    /// model (never reached) configured, to measure what the quota checks cost.
+    pub quotas: bool,
     /// How long to wait for exit after SIGTERM before SIGKILL (short in --quick, where
     /// only scenario h's exit times are used).
     #[serde(skip)]
@@ -133,7 +136,18 @@ pub fn write_config(
     http_port: Option<u16>,
     slots: u32,
     concurrency: Option<usize>,
+    quotas: bool,
 ) -> anyhow::Result<()> {
+    // Limits far above what a run can reach: every check runs, none holds a job back.
+    let (q_provider, q_model, q_budget) = if quotas {
+        (
+            "rpm = 100000000\ntpm = 100000000000\n",
+            "rpm = 100000000\ntpm = 100000000000\n",
+            "\n[budgets.bench]\nusd_per_day = \"1000000\"\non_exhausted = \"pause\"\n",
+        )
+    } else {
+        ("", "", "")
+    };
     let conc = concurrency
         .map(|c| format!("concurrency = {c}\n"))
         .unwrap_or_default();
@@ -166,17 +180,17 @@ base_url = "http://127.0.0.1:{sim_port}/v1"
 api_key_env = ""
 timeout_ms = 60000
 requests_per_second = 1000000
-
+{q_provider}
 [models."{MODEL}"]
 provider = "sim"
 pool = "default"
 input_per_mtok = 0.14
 output_per_mtok = 0.42
 context_window = 128000
-
+{q_model}
 [routes]
 default = ["{MODEL}"]
-"#
+{q_budget}"#
     );
     std::fs::write(path, text)?;
     Ok(())
@@ -225,6 +239,8 @@ pub struct Shape {
     pub slots: u32,
     pub concurrency: Option<usize>,
     pub peer_concurrency: usize,
+    /// See [`Spec::quotas`].
+    pub quotas: bool,
 }
 
 /// Spawn one worker process of `subject`.
@@ -240,6 +256,7 @@ pub fn spawn_worker(
         slots: spec_slots,
         concurrency,
         peer_concurrency,
+        quotas,
     } = shape;
     let log = std::fs::File::create(env.dir.join(format!("{}-{idx}.log", subject.name())))?;
     match subject {
@@ -253,6 +270,7 @@ pub fn spawn_worker(
                 Some(http_port),
                 spec_slots,
                 concurrency,
+                quotas,
             )?;
             let mut cmd = Command::new(&env.daemon);
             cmd.arg("--config").arg(&cfg).arg("run");
@@ -478,6 +496,7 @@ async fn measure(
                 slots: spec.slots,
                 concurrency: spec.concurrency,
                 peer_concurrency: spec.peer_concurrency,
+                quotas: spec.quotas,
             },
         )?);
     }
@@ -622,6 +641,7 @@ pub async fn start_stop(
                     slots: 8,
                     concurrency: Some(8),
                     peer_concurrency: 8,
+                    quotas: false,
                 },
             )?;
             ready.push(wait_ready(&mut p, &http).await?);
