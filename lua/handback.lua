@@ -2,6 +2,7 @@
 -- the jobs stream with every field of the old one verbatim plus `_deliveries` (the
 -- deliveries that count so far), `_entry` (the entry id the job was first pushed as; kept
 -- from an earlier hand-back) and `_billed` (what earlier deliveries spent, if anything),
+-- (a `_unparked` mark of tenant_release.lua is not copied: the new entry has no kept place),
 -- the XACK (+XDEL) of the old entry, and the release of the job id's in-progress marker
 -- if it is the old entry's (so the new entry can claim the id).
 -- Only if the old entry is still pending under this consumer: a job committed or taken

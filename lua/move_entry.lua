@@ -25,7 +25,7 @@ local function move_entry(jobs, marker, tomb, dest, a)
   for j = 1, #old, 2 do
     if old[j] == '_entry' then
       first = old[j + 1]
-    elseif old[j] ~= '_deliveries' and old[j] ~= '_billed' then
+    elseif old[j] ~= '_deliveries' and old[j] ~= '_billed' and old[j] ~= '_unparked' then
       fields[#fields + 1] = old[j]
       fields[#fields + 1] = old[j + 1]
     end

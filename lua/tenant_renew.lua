@@ -1,19 +1,29 @@
--- Renews this process's tenant leases (one call per tick for all of them).
--- KEYS: holder sets   ARGV[1] lease ttl ms   ARGV[2..]: for each key, a count c then c
--- members. A member already gone (released, or expired and dropped) is not brought back;
--- one expired but not yet dropped is (the job still runs: it still holds its place).
+-- Renews this process's tenant places (one call per tick for all of them); also the
+-- tick of the tenant clock, run by every worker with a capped pool even when it holds
+-- nothing (see tenant_clock.lua).
+-- (Runs after the prelude tenant_clock.lua.)
+-- KEYS[1] the tenant clock   KEYS[2] jobs stream   KEYS[3..] holder sets
+-- ARGV[1] lease ttl ms   ARGV[2] stall gap ms   ARGV[3] how long a kept place lasts (ms)
+-- ARGV[4..]: for each holder set, a count c, then c members.
+-- A member already gone (released, or expired and dropped) is not brought back.
+-- A holder set of the wrong type is skipped (tenant_admit reports it to the job).
 -- Returns the number of members renewed.
-local tm = redis.call('TIME')
-local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
-local until_ = now + tonumber(ARGV[1])
-local a, n = 2, 0
-for k = 1, #KEYS do
+local bad = tenant_types({{KEYS[1], 'hash'}, {KEYS[2], 'stream'}})
+if bad then
+  return bad
+end
+local now = tenant_now(KEYS[1], ARGV[2])
+local a, n = 4, 0
+for k = 3, #KEYS do
   local c = tonumber(ARGV[a])
   a = a + 1
-  for _ = 1, c do
-    n = n + redis.call('ZADD', KEYS[k], 'XX', 'CH', until_, ARGV[a])
-    a = a + 1
+  if not tenant_types({{KEYS[k], 'zset'}}) then
+    tenant_expire(KEYS[k], now, KEYS[2], ARGV[3])
+    for j = 0, c - 1 do
+      n = n + redis.call('ZADD', KEYS[k], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[a + j])
+    end
+    redis.call('PEXPIRE', KEYS[k], 2 * tonumber(ARGV[1]) + 600000)
   end
-  redis.call('PEXPIRE', KEYS[k], 2 * tonumber(ARGV[1]) + 600000)
+  a = a + c
 end
 return n

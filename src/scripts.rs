@@ -43,13 +43,18 @@ pub static RECLAIM: LazyLock<Script> = gated_script!("reclaim.lua");
 /// Shutdown hand-back of unfinished entries as new entries.
 pub static HAND_BACK: LazyLock<Script> = with_prelude!("move_entry.lua", "handback.lua");
 /// A tenant's place under its cap, or the job parked (same move as a hand-back).
-pub static TENANT_ADMIT: LazyLock<Script> = with_prelude!("move_entry.lua", "tenant_admit.lua");
-/// A tenant lease given back; parked jobs moved back for the free places.
+pub static TENANT_ADMIT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("../lua/tenant_clock.lua"),
+        include_str!("../lua/move_entry.lua"),
+        include_str!("../lua/tenant_admit.lua")
+    ))
+});
+/// A tenant place given back; parked jobs moved back for the free places.
 pub static TENANT_RELEASE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/tenant_release.lua")));
-/// Renewal of this process's tenant leases.
-pub static TENANT_RENEW: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/tenant_renew.lua")));
+    with_prelude!("tenant_clock.lua", "tenant_release.lua");
+/// Renewal of this process's tenant places.
+pub static TENANT_RENEW: LazyLock<Script> = with_prelude!("tenant_clock.lua", "tenant_renew.lua");
 /// Removal of consumers that own no pending entry.
 pub static CONSUMERS: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/consumers.lua")));

@@ -118,7 +118,12 @@ impl Tenants {
     }
 
     pub fn ttl_ms(&self) -> u64 {
-        u64::try_from(self.inner.ttl.as_millis()).unwrap_or(u64::MAX)
+        millis(self.inner.ttl)
+    }
+
+    /// The stall gap and the kept-place length, in ms, as the admission script takes them.
+    pub fn gap_and_transit_ms(&self) -> (u64, u64) {
+        (millis(self.gap()), millis(transit()))
     }
 
     /// A fresh member name for a place about to be asked for (unique per lease, so a late
@@ -150,34 +155,53 @@ impl Tenants {
     }
 
     /// Renews every place this process holds (one round trip), every third of the ttl,
-    /// and moves parked jobs back for places freed by expiry every [`SWEEP`], until `stop`.
+    /// which is also this worker's tick of the tenant clock (`lua/tenant_clock.lua`);
+    /// and, once a second fleet-wide (whichever worker takes `{ns}:tenantsweep` first),
+    /// moves parked jobs back for places freed by expiry. Two loops, so a slow sweep
+    /// never delays a renewal. Until `stop`.
     pub fn spawn_background(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            if !me.any() {
-                return;
-            }
-            let renew_every = (me.inner.ttl / 3).max(Duration::from_millis(10));
-            let mut renew = tokio::time::interval(renew_every);
-            let mut sweep = tokio::time::interval(SWEEP);
-            renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = renew.tick() => {
+            let renewer = {
+                let me = me.clone();
+                let stop = stop.clone();
+                async move {
+                    if !me.any() {
+                        return;
+                    }
+                    let mut tick = tokio::time::interval(me.inner.ttl / 3);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = tick.tick() => {}
+                        }
                         if let Err(e) = me.renew().await {
                             tracing::warn!(error = %e, "renewing tenant places failed; retrying next tick");
                         }
                     }
-                    _ = sweep.tick() => {
-                        if let Err(e) = me.sweep().await {
-                            tracing::debug!(error = %e, "tenant sweep failed; retrying next tick");
-                        }
+                }
+            };
+            let sweeper = async move {
+                let mut tick = tokio::time::interval(SWEEP);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tick.tick() => {}
+                    }
+                    if let Err(e) = me.sweep().await {
+                        tracing::debug!(error = %e, "tenant sweep failed; retrying next second");
                     }
                 }
-            }
+            };
+            tokio::join!(renewer, sweeper);
         })
+    }
+
+    /// The stall gap of the holder clock: half the ttl (as the slots' lease clock).
+    fn gap(&self) -> Duration {
+        (self.inner.ttl / 2).max(Duration::from_millis(20))
     }
 
     async fn renew(&self) -> Result<(), TenantError> {
@@ -186,11 +210,14 @@ impl Tenants {
             .filter(|(_, m)| !m.is_empty())
             .map(|(k, m)| (k.clone(), m.clone()))
             .collect();
-        if held.is_empty() {
-            return Ok(());
-        }
+        // Run with nothing held too: it is this worker's tick of the tenant clock.
+        let keys = &self.inner.keys;
         let mut inv = crate::scripts::TENANT_RENEW.prepare_invoke();
-        inv.arg(self.ttl_ms());
+        inv.key(keys.tenant_clock())
+            .key(&keys.jobs)
+            .arg(self.ttl_ms())
+            .arg(millis(self.gap()))
+            .arg(millis(transit()));
         for (k, members) in &held {
             inv.key(k).arg(members.len());
             for m in members {
@@ -202,34 +229,73 @@ impl Tenants {
         Ok(())
     }
 
-    /// Moves parked jobs back for places free now, for every parked tenant of a pool
-    /// capped here. Returns how many entries moved.
+    /// Moves parked jobs back for places free now, for every parked tenant, if this
+    /// worker takes the fleet's sweep lock for this second. A pool this worker knows no
+    /// cap for (the cap was removed, or the pool renamed) has its parked jobs moved back
+    /// without places, so a config change never strands them. One tenant's error does
+    /// not stop the others. Returns how many entries moved.
     pub async fn sweep(&self) -> Result<u64, TenantError> {
+        let keys = &self.inner.keys;
         let mut conn = self.inner.conn.get().await?;
+        let mine: Option<String> = redis::cmd("SET")
+            .arg(keys.tenant_sweep())
+            .arg(&self.inner.token)
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(SWEEP) * 9 / 10)
+            .query_async(&mut conn)
+            .await?;
+        if mine.is_none() {
+            return Ok(0);
+        }
         let fields: Vec<String> = redis::cmd("HKEYS")
-            .arg(self.inner.keys.parked_index())
+            .arg(keys.parked_index())
             .query_async(&mut conn)
             .await?;
         drop(conn);
         let mut moved = 0;
+        let mut failed = None;
         for f in fields {
             let Some((pool, tenant)) = f.split_once(':') else {
                 continue;
             };
-            if self.cap(pool).is_some() {
-                moved += self.release_member(pool, tenant, "").await?;
+            match release(&self.inner, pool, tenant, "").await {
+                Ok(n) => {
+                    if n > 0 && self.cap(pool).is_none() {
+                        tracing::info!(
+                            pool,
+                            moved = n,
+                            "pool has no max_per_tenant here: its parked jobs are moved back"
+                        );
+                    }
+                    moved += n;
+                }
+                Err(e) => failed = Some(e),
             }
         }
-        Ok(moved)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(moved),
+        }
     }
 
-    async fn release_member(
-        &self,
-        pool: &str,
-        tenant: &str,
-        member: &str,
-    ) -> Result<u64, TenantError> {
-        release(&self.inner, pool, tenant, member).await
+    /// Gives back the place kept for `entry_id` (moved back from the parked stream of
+    /// `field` = `<pool>:<tenant>`) when its job ended without taking it (a duplicate, an
+    /// invalid job, another pool, a hand-back). Detached, tracked like a lease's release.
+    pub fn release_kept(&self, field: &str, entry_id: &str) {
+        let Some((pool, tenant)) = field.split_once(':') else {
+            return;
+        };
+        let (inner, pool, tenant) = (self.inner.clone(), pool.to_string(), tenant.to_string());
+        let member = format!("u:{entry_id}");
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            let tracker = self.inner.releases.clone();
+            h.spawn(tracker.track_future(async move {
+                if let Err(e) = release(&inner, &pool, &tenant, &member).await {
+                    tracing::debug!(error = %e, "giving a kept tenant place back failed; it lapses when its entry is gone");
+                }
+            }));
+        }
     }
 
     /// Gives back every place this process still holds (shutdown), after the detached
@@ -242,17 +308,40 @@ impl Tenants {
             .filter(|(_, m)| !m.is_empty())
             .collect();
         let mut n = 0;
+        let mut failed = None;
         for (key, members) in held {
             let Some((pool, tenant)) = split_holders_key(&self.inner.keys, &key) else {
                 continue;
             };
             for m in members {
-                release(&self.inner, &pool, &tenant, &m).await?;
-                n += 1;
+                match release(&self.inner, &pool, &tenant, &m).await {
+                    Ok(_) => n += 1,
+                    Err(e) => failed = Some(e),
+                }
             }
         }
-        Ok(n)
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(n),
+        }
     }
+}
+
+/// [`TRANSIT`], or in debug builds `LLM_WORKER_DEBUG_TENANT_TRANSIT_MS` (tests of a
+/// backlog longer than a kept place lasts).
+fn transit() -> Duration {
+    #[cfg(debug_assertions)]
+    if let Some(ms) = std::env::var("LLM_WORKER_DEBUG_TENANT_TRANSIT_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        return Duration::from_millis(ms);
+    }
+    TRANSIT
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// (pool, tenant) of a holder-set key (pool names of capped pools hold no ':').
@@ -270,16 +359,19 @@ async fn release(
     tenant: &str,
     member: &str,
 ) -> Result<u64, TenantError> {
+    // 0 = no cap here: the parked entries are moved back without places.
     let cap = inner.caps.get(pool).copied().unwrap_or(0);
     let mut inv = crate::scripts::TENANT_RELEASE.prepare_invoke();
     inv.key(inner.keys.tenant_holders(pool, tenant))
         .key(inner.keys.parked(pool, tenant))
         .key(&inner.keys.jobs)
         .key(inner.keys.parked_index())
+        .key(inner.keys.tenant_clock())
         .arg(member)
         .arg(cap)
-        .arg(u64::try_from(TRANSIT.as_millis()).unwrap_or(u64::MAX))
-        .arg(format!("{pool}:{tenant}"));
+        .arg(millis(transit()))
+        .arg(format!("{pool}:{tenant}"))
+        .arg(millis((inner.ttl / 2).max(Duration::from_millis(20))));
     let mut conn = inner.conn.get().await?;
     let moved: u64 = inv.invoke_async(&mut conn).await?;
     if moved > 0 {

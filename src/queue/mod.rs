@@ -156,6 +156,15 @@ impl Keys {
     pub fn parked_index(&self) -> String {
         format!("{}:parked", self.prefix)
     }
+    /// The tenant holder clocks (hash: `<pool>:<tenant>` -> server ms of the last tenant
+    /// script; see `lua/tenant_clock.lua`).
+    pub fn tenant_clock(&self) -> String {
+        format!("{}:tenantclock", self.prefix)
+    }
+    /// The fleet's once-a-second tenant sweep lock (one worker sweeps each second).
+    pub fn tenant_sweep(&self) -> String {
+        format!("{}:tenantsweep", self.prefix)
+    }
 }
 
 fn now_ms() -> u64 {
@@ -174,6 +183,10 @@ pub struct TenantPlace<'a> {
     pub member: &'a str,
     pub cap: u32,
     pub ttl_ms: u64,
+    /// A pause of the holder clock longer than this is a Redis stall (ttl / 2).
+    pub gap_ms: u64,
+    /// How long a kept place lasts while its entry is no longer in the stream.
+    pub transit_ms: u64,
 }
 
 /// What [`Queue::admit_tenant`] did.
@@ -219,6 +232,10 @@ pub struct Delivery {
     pub first_entry: Option<String>,
     /// Taken over from another consumer (or from this one) by [`Queue::reclaim`].
     pub reclaimed: bool,
+    /// `<pool>:<tenant>` when the entry was moved back from a tenant's parked stream
+    /// (field [`TENANT_UNPARKED`]): a place is kept for it, which the worker gives back if
+    /// the job ends without taking it.
+    pub unparked: Option<String>,
 }
 
 /// The longest part of a bad field name a `malformed` reason quotes.
@@ -233,6 +250,7 @@ impl Delivery {
         let mut deliveries = deliveries;
         let mut first_entry = None;
         let mut billed = None;
+        let mut unparked = None;
         let mut raw = vec![];
         for (k, v) in fields {
             if k == HANDED_BACK_ENTRY.as_bytes() {
@@ -248,6 +266,8 @@ impl Delivery {
                 );
             } else if k == HANDED_BACK_BILLED.as_bytes() {
                 billed = Some(v);
+            } else if k == TENANT_UNPARKED.as_bytes() {
+                unparked = String::from_utf8(v).ok();
             } else if k == PACKED_FIELDS.as_bytes()
                 && let Some(unpacked) = unpack_fields(&v)
             {
@@ -287,6 +307,7 @@ impl Delivery {
             billed,
             first_entry,
             reclaimed: false,
+            unparked,
         }
     }
 }
@@ -733,6 +754,9 @@ impl Queue {
 pub const HANDED_BACK_DELIVERIES: &str = "_deliveries";
 /// Field a handed-back entry carries: the entry id the job was first pushed as.
 pub const HANDED_BACK_ENTRY: &str = "_entry";
+/// Field of an entry moved back from a tenant's parked stream (`lua/tenant_release.lua`):
+/// `<pool>:<tenant>` whose kept place `u:<entry id>` waits for it.
+pub const TENANT_UNPARKED: &str = "_unparked";
 /// Field a handed-back entry carries when earlier deliveries made provider calls: their
 /// attempts, models tried, usage and cost (the worker's JSON), so the final result and
 /// the cost totals count each paid call exactly once.
@@ -830,6 +854,7 @@ impl Queue {
             self.keys.tenant_holders(place.pool, place.tenant),
             self.keys.parked(place.pool, place.tenant),
             self.keys.parked_index(),
+            self.keys.tenant_clock(),
         ];
         let mut inv = self.move_invocation(
             &scripts::TENANT_ADMIT,
@@ -842,7 +867,9 @@ impl Queue {
         inv.arg(place.member)
             .arg(place.cap)
             .arg(place.ttl_ms)
-            .arg(format!("{}:{}", place.pool, place.tenant));
+            .arg(format!("{}:{}", place.pool, place.tenant))
+            .arg(place.gap_ms)
+            .arg(place.transit_ms);
         let mut conn = self.conn.get().await?;
         let (kind, id): (String, String) = inv.invoke_async(&mut conn).await?;
         Ok(match kind.as_str() {

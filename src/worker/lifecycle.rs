@@ -44,6 +44,14 @@ impl Worker {
                 None
             }
         };
+        // A place kept for this entry (moved back from a parked stream) and not taken:
+        // given back now, so the tenant does not wait for it to lapse.
+        if let Some(field) = &d.unparked {
+            let s = lock(&spent);
+            if !s.kept_taken && !s.parked {
+                self.tenants.release_kept(field, &d.entry_id);
+            }
+        }
         match commit {
             Some(commit) => Box::pin(self.commit_until_written(&d, &commit, &abort)).await,
             // Moved to its tenant's parked stream and acknowledged: never pending again.
@@ -394,7 +402,13 @@ impl Worker {
             if let Some(c) = self.providers.get(&throttled) {
                 self.unless_draining(c.throttle()).await?;
             }
-            let lease = self.take_slot(&mut plan, place.is_some()).await?;
+            let lease = self
+                .take_slot(
+                    &mut plan,
+                    job.tenant.as_deref(),
+                    place.as_ref().map(|l| l.pool()),
+                )
+                .await?;
             let cand = plan.current().clone();
             if cand.provider != throttled
                 && let Some(c) = self.providers.get(&cand.provider)
@@ -602,9 +616,15 @@ impl Worker {
     /// `slots.acquire_timeout_ms`, a later model of the route with a free slot is used
     /// instead, else it waits again. It never fails for lack of a slot alone; `None` only
     /// when the slots are stopped (shutdown): the job is then left pending.
-    /// `placed`: the job holds a tenant place in the current pool, so the fast path never
-    /// moves it to another capped pool (where it holds none); the loop asks there first.
-    pub(super) async fn take_slot(&self, plan: &mut Plan, placed: bool) -> Option<Lease> {
+    /// A job of a `tenant` never moves by the fast path into a capped pool other than
+    /// `placed` (the pool of the place it holds): it holds no place there, and the job
+    /// loop asks for one first.
+    pub(super) async fn take_slot(
+        &self,
+        plan: &mut Plan,
+        tenant: Option<&str>,
+        placed: Option<&str>,
+    ) -> Option<Lease> {
         let timeout = self.cfg.slots.acquire_timeout_ms;
         let mut backoff = Backoff::redis();
         loop {
@@ -617,7 +637,10 @@ impl Worker {
                 Err(SlotError::Timeout { .. }) => {
                     for i in plan.usable_alternatives() {
                         let alt_pool = plan.candidates()[i].pool.clone();
-                        if alt_pool == pool || (placed && self.tenants.cap(&alt_pool).is_some()) {
+                        let no_place = tenant.is_some()
+                            && self.tenants.cap(&alt_pool).is_some()
+                            && placed != Some(alt_pool.as_str());
+                        if alt_pool == pool || no_place {
                             continue;
                         }
                         if let Ok(Some(l)) = self.slots.try_acquire(&alt_pool).await {
@@ -654,8 +677,10 @@ impl Worker {
         spent: &Mutex<Spent>,
     ) -> Option<Place> {
         let mut backoff = Backoff::redis();
+        // One member for every try: a retry after a lost reply finds it admitted.
+        let member = self.tenants.new_member();
+        let (gap_ms, transit_ms) = self.tenants.gap_and_transit_ms();
         loop {
-            let member = self.tenants.new_member();
             let (called, billed) = {
                 let s = lock(spent);
                 (s.called, s.carry())
@@ -672,6 +697,8 @@ impl Worker {
                 member: &member,
                 cap,
                 ttl_ms: self.tenants.ttl_ms(),
+                gap_ms,
+                transit_ms,
             };
             let job_id = job.keyed.then_some(job.id.as_str());
             match self
@@ -680,6 +707,11 @@ impl Worker {
                 .await
             {
                 Ok(TenantAdmit::Admitted) => {
+                    // A place kept for this entry (moved back from the parked stream) was
+                    // taken by this admission, if it was for this pool and tenant.
+                    if d.unparked.as_deref() == Some(format!("{pool}:{tenant}").as_str()) {
+                        lock(spent).kept_taken = true;
+                    }
                     return Some(Place::Held(self.tenants.admitted(pool, tenant, member)));
                 }
                 Ok(TenantAdmit::Parked(new)) => {
