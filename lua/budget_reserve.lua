@@ -4,7 +4,12 @@
 --
 -- KEYS: one hash per budget window `{ns}:budget:<name>:<tenant or *>:<d:YYYY-MM-DD |
 --       m:YYYY-MM>`; field `spent` = pico-dollars settled, fields `r:<id>` = live
---       reservations "<picos>|<expiry ms, server TIME>".
+--       reservations "<picos>|<expiry ms, server TIME>", `h` = the sum of the live
+--       reservations, `x` = no reservation expires before this (server ms).
+--       O(1) per call: the reservations are only read one by one (and expired ones
+--       dropped from `h`) once `x` has passed or `h` is missing or negative (a window
+--       written by an earlier version), about once per reservation ttl under steady
+--       traffic.
 -- ARGV[1] reservation id   ARGV[2] reservation ttl ms
 -- ARGV[3..] per key: limit picos, amount picos, key expiry (unix ms: the window's end
 --           plus a margin, so old windows leave nothing behind)
@@ -21,32 +26,51 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id, ttl = ARGV[1], tonumber(ARGV[2])
-if redis.call('HEXISTS', KEYS[1], 'r:' .. id) == 1 then
-  return {1} -- a retry of a try whose reply was lost: reserved already
-end
+local has_x = {}
 for i = 1, #KEYS do
   local limit, amount = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1])
-  local all = redis.call('HGETALL', KEYS[i])
-  local used = 0
-  for j = 1, #all, 2 do
-    local f, v = all[j], all[j + 1]
-    if f == 'spent' then
-      used = used + (tonumber(v) or 0)
-    elseif string.sub(f, 1, 2) == 'r:' then
-      local amt, exp = string.match(v, '^(%d+)|(%d+)$')
-      if amt and tonumber(exp) > now then
-        used = used + tonumber(amt)
-      else
-        redis.call('HDEL', KEYS[i], f)
+  local v = redis.call('HMGET', KEYS[i], 'spent', 'h', 'x', 'r:' .. id)
+  if i == 1 and v[4] then
+    return {1} -- a retry of a try whose reply was lost: reserved already
+  end
+  local spent, held, x = tonumber(v[1]) or 0, tonumber(v[2]), tonumber(v[3])
+  if held == nil or held < 0 or (x and x <= now) then
+    -- recount the live reservations; drop the expired ones (a killed worker's)
+    held, x = 0, nil
+    local all = redis.call('HGETALL', KEYS[i])
+    for j = 1, #all, 2 do
+      local f, fv = all[j], all[j + 1]
+      if string.sub(f, 1, 2) == 'r:' then
+        local amt, exp = string.match(fv, '^(%d+)|(%d+)$')
+        if amt and tonumber(exp) > now then
+          held = held + tonumber(amt)
+          if not x or tonumber(exp) < x then
+            x = tonumber(exp)
+          end
+        else
+          redis.call('HDEL', KEYS[i], f)
+        end
       end
     end
+    redis.call('HSET', KEYS[i], 'h', held)
+    if x then
+      redis.call('HSET', KEYS[i], 'x', x)
+    else
+      redis.call('HDEL', KEYS[i], 'x')
+    end
   end
-  if used + amount > limit then
-    return {0, i, math.max(0, limit - used)}
+  has_x[i] = x ~= nil
+  if spent + held + amount > limit then
+    return {0, i, math.max(0, limit - spent - held)}
   end
 end
 for i = 1, #KEYS do
-  redis.call('HSET', KEYS[i], 'r:' .. id, ARGV[3 * i + 1] .. '|' .. (now + ttl))
+  local exp = now + ttl
+  redis.call('HSET', KEYS[i], 'r:' .. id, ARGV[3 * i + 1] .. '|' .. exp)
+  redis.call('HINCRBY', KEYS[i], 'h', ARGV[3 * i + 1])
+  if not has_x[i] then
+    redis.call('HSET', KEYS[i], 'x', exp)
+  end
   redis.call('PEXPIREAT', KEYS[i], ARGV[3 * i + 2])
 end
 return {1}

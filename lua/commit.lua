@@ -226,10 +226,13 @@ for j = 1, #costl, 2 do
   redis.call('HINCRBY', costs, costl[j], costl[j + 1])
   local model = string.match(costl[j], '^(.*):cost_picos$')
   if model then
-    redis.pcall('HINCRBY', KEYS[9], model, costl[j + 1])
-    redis.pcall('EXPIRE', KEYS[9], 3456000)
-    redis.pcall('HINCRBY', KEYS[10], model, costl[j + 1])
-    redis.pcall('EXPIRE', KEYS[10], 34560000)
+    -- the expiry is set when a model's field is new (its first job of the day / month)
+    if redis.pcall('HINCRBY', KEYS[9], model, costl[j + 1]) == tonumber(costl[j + 1]) then
+      redis.pcall('EXPIRE', KEYS[9], 3456000)
+    end
+    if redis.pcall('HINCRBY', KEYS[10], model, costl[j + 1]) == tonumber(costl[j + 1]) then
+      redis.pcall('EXPIRE', KEYS[10], 34560000)
+    end
   end
 end
 -- An ok marker is never replaced: the id's answer stays the one producers already saw.

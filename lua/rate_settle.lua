@@ -1,21 +1,21 @@
 #!lua flags=allow-oom
--- Correct a call's token admissions to the tokens it really used (same admission time),
--- in every tokens-per-minute limit it was admitted in.
--- KEYS: per tokens limit, its sorted set and its total
--- ARGV[1] call id   ARGV[2] amount admitted   ARGV[3] amount used   ARGV[4] window ms
--- An admission that already left the window is left alone.
-local member = ARGV[1] .. '|' .. ARGV[2]
-for i = 1, #KEYS / 2 do
-  local z, total = KEYS[2 * i - 1], KEYS[2 * i]
-  local score = redis.call('ZSCORE', z, member)
-  if score then
-    redis.call('ZREM', z, member)
-    redis.call('ZADD', z, score, ARGV[1] .. '|' .. ARGV[3])
-    redis.call('INCRBY', total, tonumber(ARGV[3]) - tonumber(ARGV[2]))
-    -- the ZREM may have deleted a set that held only this entry: both keys keep the
-    -- window's expiry, so the total never outlives (or dies before) its entries
-    redis.call('PEXPIRE', z, tonumber(ARGV[4]) + 1000)
-    redis.call('PEXPIRE', total, tonumber(ARGV[4]) + 1000)
+-- Correct a call's tokens admission (lua/rate_admit.lua) to the tokens it really used,
+-- in the bucket it was admitted in, if that bucket is still in the window (later, the
+-- correction no longer matters: the amount has left the window).
+-- KEYS: the windows of the tokens limits the call was admitted in
+-- ARGV[1] estimated tokens   ARGV[2] tokens used   ARGV[3] the admission's second
+-- A bucket or total is never corrected below zero.
+local delta = tonumber(ARGV[2]) - tonumber(ARGV[1])
+for i = 1, #KEYS do
+  local k = KEYS[i]
+  local c = tonumber(redis.call('HGET', k, ARGV[3]))
+  if c then
+    local d = math.max(delta, -c)
+    redis.call('HINCRBY', k, ARGV[3], d)
+    local n = tonumber(redis.call('HINCRBY', k, 'n', d))
+    if n < 0 then
+      redis.call('HSET', k, 'n', 0)
+    end
   end
 end
 return 1

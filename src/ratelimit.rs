@@ -1,11 +1,13 @@
 //! Fleet-wide rate limits: `rpm` / `tpm` on `[providers.<p>]` and `[models.<m>]`,
-//! enforced in Redis for every worker together (`lua/rate_admit.lua`: a sliding window of
-//! 60 s, exact). governor stays the local per-process limiter (`requests_per_second`).
+//! enforced in Redis for every worker together (`lua/rate_admit.lua`: the last 60 s in
+//! one-second buckets, a few O(1) commands per limit and call, no entry per call).
+//! governor stays the local per-process limiter (`requests_per_second`).
 //!
 //! Invariants: a call is admitted in every limit that covers it or in none; a window
 //! never holds more than its limit (one call larger than a whole tokens limit is
-//! admitted alone into an empty window); tokens are admitted at an estimate before the
-//! call and corrected to the real usage after it (`lua/rate_settle.lua`).
+//! admitted alone into an empty window), so any 60 s sees at most the limit plus one
+//! second's bucket; tokens are admitted at an estimate before the call and corrected to
+//! the real usage after it, in the bucket they were admitted in (`lua/rate_settle.lua`).
 
 use crate::config::{Config, ModelConfig};
 use crate::connect::Commands;
@@ -41,10 +43,11 @@ from_cause!(RateError, RateError::Pool, deadpool_redis::PoolError);
 /// One admitted call: correct its tokens with [`RateLimits::settle`].
 #[derive(Debug, Clone)]
 pub struct Admission {
-    id: String,
-    /// (sorted set, total) of each tokens limit it was admitted in.
-    token_keys: Vec<(String, String)>,
+    /// The window of each tokens limit it was admitted in.
+    token_keys: Vec<String>,
     tokens: u64,
+    /// The server's unix second it was admitted in (its bucket).
+    second: i64,
 }
 
 /// The fleet-wide limits of this config. Cheap to clone.
@@ -61,6 +64,12 @@ struct Limit {
     limit: u64,
     amount: u64,
     tokens: bool,
+}
+
+/// The window of one limit (`<stem>:w`; the key names of the earlier sliding log, a
+/// sorted set and a total, are left alone so a mixed fleet never meets a wrong type).
+fn window_key(stem: &str) -> String {
+    format!("{stem}:w")
 }
 
 /// Estimated tokens of one call: a quarter of the request body's bytes (about four bytes
@@ -138,20 +147,20 @@ impl RateLimits {
         let mut inv = crate::scripts::RATE_ADMIT.prepare_invoke();
         inv.arg(id).arg(WINDOW.as_millis() as u64);
         for l in &limits {
-            inv.key(&l.stem).key(format!("{}:n", l.stem));
+            inv.key(window_key(&l.stem));
             inv.arg(l.limit).arg(l.amount);
         }
         let mut conn = self.conn.get().await?;
         let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
         if reply.first() == Some(&1) {
             return Ok(Some(Admission {
-                id: id.to_string(),
                 token_keys: limits
                     .iter()
                     .filter(|l| l.tokens)
-                    .map(|l| (l.stem.clone(), format!("{}:n", l.stem)))
+                    .map(|l| window_key(&l.stem))
                     .collect(),
                 tokens,
+                second: reply.get(1).copied().unwrap_or(0),
             }));
         }
         let i = (reply.get(1).copied().unwrap_or(1).max(1) as usize - 1).min(limits.len() - 1);
@@ -171,13 +180,10 @@ impl RateLimits {
             return Ok(());
         }
         let mut inv = crate::scripts::RATE_SETTLE.prepare_invoke();
-        for (z, n) in &a.token_keys {
-            inv.key(z).key(n);
+        for k in &a.token_keys {
+            inv.key(k);
         }
-        inv.arg(&a.id)
-            .arg(a.tokens)
-            .arg(used)
-            .arg(WINDOW.as_millis() as u64);
+        inv.arg(a.tokens).arg(used).arg(a.second);
         let mut conn = self.conn.get().await?;
         let _: i64 = inv.invoke_async(&mut conn).await?;
         Ok(())
