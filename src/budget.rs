@@ -1,6 +1,9 @@
 //! Fleet-wide spending budgets (`[budgets.<name>]`): a call's worst case is reserved in
 //! Redis in every budget window that covers it before the call, and settled to its real
-//! cost after it (`lua/budget_reserve.lua`, `lua/budget_settle.lua`).
+//! cost after it. This room says which windows cover a call and what they hold
+//! ([`Budgets::ask`], [`report`]); `gate` runs the one script that reserves (together
+//! with the rate limits, `lua/quota_admit.lua`) and the one that settles
+//! (`lua/quota_settle.lua`).
 //!
 //! Invariants:
 //! - a window (`{ns}:budget:<name>:<tenant>:<d:YYYY-MM-DD | m:YYYY-MM>`, UTC) never holds
@@ -14,7 +17,6 @@
 //! - amounts are whole pico-dollars (i64), as everywhere else in the money path.
 
 use crate::config::{BudgetConfig, Config, OnExhausted};
-use crate::connect::Commands;
 use crate::cost::{self, civil_from_days, days_from_civil};
 use rust_decimal::Decimal;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -51,11 +53,50 @@ pub enum BudgetError {
 from_cause!(BudgetError, BudgetError::Redis, redis::RedisError);
 from_cause!(BudgetError, BudgetError::Pool, deadpool_redis::PoolError);
 
-/// One live reservation: settle it with [`Budgets::settle`].
+/// One live reservation: settled by `gate::Gate::settle`.
 #[derive(Debug, Clone)]
 pub struct Reservation {
-    id: String,
-    keys: Vec<String>,
+    pub(crate) id: String,
+    pub(crate) keys: Vec<String>,
+}
+
+/// A reservation to make (by `gate::Gate::admit`): the windows covering one call and the
+/// amount, in pico-dollars.
+#[derive(Debug, Clone)]
+pub struct BudgetAsk {
+    pub(crate) id: String,
+    windows: Vec<Window>,
+    amount: i64,
+    worst: Decimal,
+}
+
+impl BudgetAsk {
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &str> {
+        self.windows.iter().map(|w| w.key.as_str())
+    }
+    /// Per window: limit, amount (pico-dollars), key expiry (unix ms).
+    pub(crate) fn args(&self) -> Vec<i64> {
+        self.windows
+            .iter()
+            .flat_map(|w| {
+                [
+                    cost::to_picos(w.limit).unwrap_or(i64::MAX),
+                    self.amount,
+                    i64::try_from(w.expire_at_ms).unwrap_or(i64::MAX),
+                ]
+            })
+            .collect()
+    }
+    pub fn worst(&self) -> Decimal {
+        self.worst
+    }
+    /// The reservation once the script made it.
+    pub fn reservation(self) -> Reservation {
+        Reservation {
+            id: self.id,
+            keys: self.windows.into_iter().map(|w| w.key).collect(),
+        }
+    }
 }
 
 /// One window of one budget that covers a call.
@@ -75,12 +116,11 @@ struct Window {
 #[derive(Clone)]
 pub struct Budgets {
     cfg: std::sync::Arc<Config>,
-    conn: Commands,
     ttl: Duration,
 }
 
 impl Budgets {
-    pub fn new(cfg: std::sync::Arc<Config>, conn: Commands) -> Budgets {
+    pub fn new(cfg: std::sync::Arc<Config>) -> Budgets {
         let longest_call = cfg
             .providers
             .values()
@@ -88,7 +128,7 @@ impl Budgets {
             .max()
             .unwrap_or(Duration::from_secs(60));
         let ttl = longest_call + cfg.slots.ttl_ms * 2;
-        Budgets { cfg, conn, ttl }
+        Budgets { cfg, ttl }
     }
 
     /// True when no budget is configured (then nothing is reserved: no round trip).
@@ -96,18 +136,25 @@ impl Budgets {
         self.cfg.budgets.is_empty()
     }
 
-    /// Reserves `worst` USD for one call of `model` for `tenant` in every window that
-    /// covers it. `Ok(None)` when no budget covers the call.
-    /// `id` names the reservation: the same id for every try of one call, so a try whose
-    /// reply was lost is not reserved twice (the script answers "reserved" for an id it
-    /// holds already).
-    pub async fn reserve(
+    /// How long a reservation lives (the longest call plus two slot TTLs), in ms.
+    pub fn ttl_ms(&self) -> u64 {
+        u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// The reservation of `worst` USD for one call of `model` for `tenant` in every
+    /// window that covers it; `Ok(None)` when no budget covers the call. `id` names the
+    /// reservation: the same id for every try of one call, so a try whose reply was lost
+    /// is not reserved twice. Errors: a worst case above a window's whole limit (no
+    /// amount of waiting makes room), or one that is not computable in pico-dollars.
+    // The error is large (the message's parts); one per call, and never on a hot loop.
+    #[allow(clippy::result_large_err)]
+    pub fn ask(
         &self,
         id: &str,
         model: &str,
         tenant: Option<&str>,
         worst: Decimal,
-    ) -> Result<Option<Reservation>, BudgetError> {
+    ) -> Result<Option<BudgetAsk>, BudgetError> {
         let windows = windows(&self.cfg, model, tenant, now_ms());
         if windows.is_empty() {
             return Ok(None);
@@ -115,64 +162,20 @@ impl Budgets {
         let amount = cost::to_picos(worst)
             .ok_or_else(|| BudgetError::Uncomputable(format!("{worst} USD")))?;
         if let Some(w) = windows.iter().find(|w| worst > w.limit) {
-            // No amount of waiting makes room: say so now instead of pausing forever.
             return Err(exhausted(&self.cfg, w, w.limit, worst, true));
         }
-        let id = id.to_string();
-        let mut inv = crate::scripts::BUDGET_RESERVE.prepare_invoke();
-        inv.arg(&id).arg(self.ttl.as_millis() as u64);
-        for w in &windows {
-            inv.key(&w.key);
-            inv.arg(cost::to_picos(w.limit).unwrap_or(i64::MAX))
-                .arg(amount)
-                .arg(w.expire_at_ms);
-        }
-        let mut conn = self.conn.get().await?;
-        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
-        if reply.first() == Some(&1) {
-            return Ok(Some(Reservation {
-                id,
-                keys: windows.into_iter().map(|w| w.key).collect(),
-            }));
-        }
-        let i = reply.get(1).copied().unwrap_or(1).max(1) as usize - 1;
-        let left = cost::from_picos(reply.get(2).copied().unwrap_or(0));
-        let w = windows.get(i).unwrap_or(&windows[0]);
-        Err(exhausted(&self.cfg, w, left, worst, false))
+        Ok(Some(BudgetAsk {
+            id: id.to_string(),
+            windows,
+            amount,
+            worst,
+        }))
     }
 
-    /// Settles `r` to the call's real `cost` (0 when the provider billed nothing).
-    /// `first` = no earlier try of this settle can have reached Redis: then the cost is
-    /// counted even where the reservation has expired meanwhile (Redis away longer than
-    /// its ttl); a retry after a try that may have run counts only where the reservation
-    /// is still held, so one settle never counts twice. `Err((e, sent))`: `sent` = this
-    /// try may have reached Redis.
-    pub async fn settle(
-        &self,
-        r: &Reservation,
-        cost: Decimal,
-        first: bool,
-    ) -> Result<(), (BudgetError, bool)> {
-        let picos = cost::to_picos(cost).unwrap_or(0);
-        let mut inv = crate::scripts::BUDGET_SETTLE.prepare_invoke();
-        for k in &r.keys {
-            inv.key(k);
-        }
-        inv.arg(&r.id).arg(picos).arg(if first { "1" } else { "0" });
-        let mut conn = self.conn.get().await.map_err(|e| (e.into(), false))?;
-        let settled: i64 = inv
-            .invoke_async(&mut conn)
-            .await
-            .map_err(|e| (e.into(), true))?;
-        if settled < r.keys.len() as i64 {
-            tracing::warn!(
-                reservation = %r.id,
-                "a budget reservation had expired before its call was settled (the worker \
-                 stalled past the reservation's ttl); that call's cost is not counted in \
-                 the budget"
-            );
-        }
-        Ok(())
+    /// What `on_exhausted` says when window `i` (from 0) of `ask` had only `left_picos`.
+    pub fn exhausted(&self, ask: &BudgetAsk, i: usize, left_picos: i64) -> BudgetError {
+        let w = ask.windows.get(i).unwrap_or(&ask.windows[0]);
+        exhausted(&self.cfg, w, cost::from_picos(left_picos), ask.worst, false)
     }
 }
 

@@ -88,8 +88,8 @@ pub async fn run(
     }
     record_key_check(&cfg, &pool).await;
     let slots_task = slots.spawn_background(background.clone());
-    let budgets = crate::budget::Budgets::new(cfg.clone(), pool.clone());
-    let rates = crate::ratelimit::RateLimits::new(cfg.clone(), pool.clone());
+    let budgets = crate::budget::Budgets::new(cfg.clone());
+    let rates = crate::ratelimit::RateLimits::new(cfg.clone());
     let cooldowns = crate::cooldown::Cooldowns::new(&cfg, pool.clone());
     // Known before the first job: a worker started during a cooldown routes around it.
     let _ = tokio::time::timeout(Duration::from_secs(1), cooldowns.refresh()).await;
@@ -100,10 +100,13 @@ pub async fn run(
         cfg.clone(),
         queue,
         slots.clone(),
-        budgets,
-        rates,
-        cooldowns,
-        tenants.clone(),
+        crate::worker::Quotas {
+            budgets,
+            rates,
+            gate: crate::gate::Gate::new(pool.clone()),
+            cooldowns,
+            tenants: tenants.clone(),
+        },
     )?;
     worker.state = state_holder.clone();
     let worker = Arc::new(worker);

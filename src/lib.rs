@@ -23,6 +23,7 @@ pub mod cooldown;
 pub mod cost;
 pub mod daemon;
 pub mod demo;
+pub mod gate;
 pub mod job;
 pub mod keycheck;
 pub mod outcome;

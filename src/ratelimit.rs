@@ -1,20 +1,20 @@
 //! Fleet-wide rate limits: `rpm` / `tpm` on `[providers.<p>]` and `[models.<m>]`,
-//! enforced in Redis for every worker together (`lua/rate_admit.lua`: the last 60 s in
-//! one-second buckets, a few O(1) commands per limit and call, no entry per call).
+//! enforced in Redis for every worker together (`lua/quota_admit.lua`, run by `gate`
+//! with the budgets: the last 60 s in one-second buckets, a few O(1) commands per limit
+//! and call, no entry per call).
 //! governor stays the local per-process limiter (`requests_per_second`).
 //!
 //! Invariants: a call is admitted in every limit that covers it or in none; a window
 //! never holds more than its limit (one call larger than a whole tokens limit is
 //! admitted alone into an empty window), so any 60 s sees at most the limit plus one
 //! second's bucket; tokens are admitted at an estimate before the call and corrected to
-//! the real usage after it, in the bucket they were admitted in (`lua/rate_settle.lua`).
+//! the real usage after it, in the bucket they were admitted in (`lua/quota_settle.lua`).
 
 use crate::config::{Config, ModelConfig};
-use crate::connect::Commands;
 use serde_json::{Map, Value};
 use std::time::Duration;
 
-/// The sliding window of every limit.
+/// The window of every limit (whole seconds: one-second buckets).
 pub const WINDOW: Duration = Duration::from_secs(60);
 
 /// Output tokens counted for a call that sets no `max_tokens` on a model without
@@ -40,21 +40,21 @@ pub enum RateError {
 from_cause!(RateError, RateError::Redis, redis::RedisError);
 from_cause!(RateError, RateError::Pool, deadpool_redis::PoolError);
 
-/// One admitted call: correct its tokens with [`RateLimits::settle`].
+/// One admitted call: its tokens are corrected by `gate::Gate::settle`.
 #[derive(Debug, Clone)]
 pub struct Admission {
     /// The window of each tokens limit it was admitted in.
-    token_keys: Vec<String>,
-    tokens: u64,
+    pub(crate) token_keys: Vec<String>,
+    /// The tokens admitted (the estimate).
+    pub(crate) tokens: u64,
     /// The server's unix second it was admitted in (its bucket).
-    second: i64,
+    pub(crate) second: i64,
 }
 
 /// The fleet-wide limits of this config. Cheap to clone.
 #[derive(Clone)]
 pub struct RateLimits {
     cfg: std::sync::Arc<Config>,
-    conn: Commands,
 }
 
 /// One limit covering a call: name for messages, key stem, limit, amount.
@@ -85,8 +85,8 @@ pub fn token_estimate(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
 }
 
 impl RateLimits {
-    pub fn new(cfg: std::sync::Arc<Config>, conn: Commands) -> RateLimits {
-        RateLimits { cfg, conn }
+    pub fn new(cfg: std::sync::Arc<Config>) -> RateLimits {
+        RateLimits { cfg }
     }
 
     fn limits(&self, model: &str, tokens: u64) -> Vec<Limit> {
@@ -131,61 +131,57 @@ impl RateLimits {
         out
     }
 
-    /// Admits one call of `model` estimated at `tokens` in every limit covering it.
-    /// `Ok(None)`: no limit covers it (no round trip). `id`: the same for every try of
-    /// one call (a try whose reply was lost is not admitted twice).
-    pub async fn admit(
-        &self,
-        id: &str,
-        model: &str,
-        tokens: u64,
-    ) -> Result<Option<Admission>, RateError> {
+    /// The admission of one call of `model` estimated at `tokens` in every limit
+    /// covering it (made by `gate::Gate::admit`); `None` when no limit covers it. `id`:
+    /// the same for every try of one call.
+    pub fn ask(&self, id: &str, model: &str, tokens: u64) -> Option<RateAsk> {
         let limits = self.limits(model, tokens);
-        if limits.is_empty() {
-            return Ok(None);
-        }
-        let mut inv = crate::scripts::RATE_ADMIT.prepare_invoke();
-        inv.arg(id).arg(WINDOW.as_millis() as u64);
-        for l in &limits {
-            inv.key(window_key(&l.stem));
-            inv.arg(l.limit).arg(l.amount);
-        }
-        let mut conn = self.conn.get().await?;
-        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
-        if reply.first() == Some(&1) {
-            return Ok(Some(Admission {
-                token_keys: limits
-                    .iter()
-                    .filter(|l| l.tokens)
-                    .map(|l| window_key(&l.stem))
-                    .collect(),
-                tokens,
-                second: reply.get(1).copied().unwrap_or(0),
-            }));
-        }
-        let i = (reply.get(1).copied().unwrap_or(1).max(1) as usize - 1).min(limits.len() - 1);
-        let wait = Duration::from_millis(reply.get(2).copied().unwrap_or(1).max(1) as u64);
-        metrics::counter!("llm_worker_rate_limited_total", "model" => model.to_string())
-            .increment(1);
-        Err(RateError::Limited {
-            what: limits[i].what.clone(),
-            limit: limits[i].limit,
-            wait,
+        (!limits.is_empty()).then(|| RateAsk {
+            id: id.to_string(),
+            limits,
+            tokens,
         })
     }
+}
 
-    /// Corrects the tokens of `a` to what the call really used.
-    pub async fn settle(&self, a: &Admission, used: u64) -> Result<(), RateError> {
-        if a.token_keys.is_empty() || used == a.tokens {
-            return Ok(());
+/// An admission to make: the limits covering one call.
+pub struct RateAsk {
+    pub(crate) id: String,
+    limits: Vec<Limit>,
+    tokens: u64,
+}
+
+impl RateAsk {
+    pub(crate) fn keys(&self) -> impl Iterator<Item = String> + '_ {
+        self.limits.iter().map(|l| window_key(&l.stem))
+    }
+    /// Per limit: the limit, the amount this call takes.
+    pub(crate) fn args(&self) -> Vec<u64> {
+        self.limits
+            .iter()
+            .flat_map(|l| [l.limit, l.amount])
+            .collect()
+    }
+    /// The error of limit `i` (from 0) having no room for `wait`.
+    pub fn limited(&self, i: usize, wait: Duration) -> RateError {
+        let l = &self.limits[i.min(self.limits.len() - 1)];
+        RateError::Limited {
+            what: l.what.clone(),
+            limit: l.limit,
+            wait,
         }
-        let mut inv = crate::scripts::RATE_SETTLE.prepare_invoke();
-        for k in &a.token_keys {
-            inv.key(k);
+    }
+    /// The admission once the script made it in the bucket of `second`.
+    pub fn admission(self, second: i64) -> Admission {
+        Admission {
+            token_keys: self
+                .limits
+                .iter()
+                .filter(|l| l.tokens)
+                .map(|l| window_key(&l.stem))
+                .collect(),
+            tokens: self.tokens,
+            second,
         }
-        inv.arg(a.tokens).arg(used).arg(a.second);
-        let mut conn = self.conn.get().await?;
-        let _: i64 = inv.invoke_async(&mut conn).await?;
-        Ok(())
     }
 }

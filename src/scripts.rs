@@ -73,18 +73,12 @@ pub static SLOT_RELEASE: LazyLock<Script> = slot_script!("slot_release.lua");
 /// Lease renewal of every slot this process holds.
 pub static SLOT_RENEW: LazyLock<Script> = slot_script!("slot_renew.lua");
 
-/// Reserve a call's worst case in every budget window that covers it.
-pub static BUDGET_RESERVE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/budget_reserve.lua")));
-/// Settle a reservation to the call's real cost.
-pub static BUDGET_SETTLE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/budget_settle.lua")));
-/// Admit a call in every fleet-wide rpm/tpm window that covers it.
-pub static RATE_ADMIT: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/rate_admit.lua")));
-/// Correct a call's token admissions to its real usage.
-pub static RATE_SETTLE: LazyLock<Script> =
-    LazyLock::new(|| Script::new(include_str!("../lua/rate_settle.lua")));
+/// A call's budget reservation and rate admission, all or nothing.
+pub static QUOTA_ADMIT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/quota_admit.lua")));
+/// After a call: the reservation settled, the tokens corrected.
+pub static QUOTA_SETTLE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/quota_settle.lua")));
 /// Set or lengthen a shared cooldown.
 pub static COOLDOWN: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/cooldown.lua")));

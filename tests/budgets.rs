@@ -131,7 +131,16 @@ async fn fifty_concurrent_jobs_never_overspend_a_budget_that_fails() {
     let keys: Vec<String> = conn.keys("{llm}:budget:*").await.expect("KEYS");
     assert_eq!(keys.len(), 1, "{keys:?}");
     let h: HashMap<String, String> = conn.hgetall(&keys[0]).await.expect("HGETALL");
-    assert_eq!(h.len(), 1, "only `spent` is left: {h:?}");
+    assert_eq!(
+        h.keys().filter(|f| f.starts_with("r:")).count(),
+        0,
+        "no reservation is left: {h:?}"
+    );
+    assert_eq!(
+        h.get("h").map(String::as_str),
+        Some("0"),
+        "the running sum of live reservations is back to 0: {h:?}"
+    );
     let picos: i64 = h["spent"].parse().expect("spent");
     assert_eq!(
         llm_worker::cost::from_picos(picos),
@@ -303,16 +312,21 @@ async fn reservations_of_a_killed_worker_expire() {
     tokio::time::sleep(Duration::from_millis(7_500)).await;
     let mut cfg2 = s.tc.parsed();
     cfg2.queue.consumer = "probe".into();
-    let budgets = llm_worker::budget::Budgets::new(
-        std::sync::Arc::new(cfg2.clone()),
-        llm_worker::connect::commands(&cfg2).expect("pool"),
-    );
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(cfg2.clone()));
+    let gate = llm_worker::gate::Gate::new(llm_worker::connect::commands(&cfg2).expect("pool"));
     // The whole budget minus nothing: a reservation of the full limit fits.
-    let r = budgets
-        .reserve("probe", "m1", None, s.limit)
+    let ask = budgets
+        .ask("probe", "m1", None, s.limit)
+        .expect("fits the limit")
+        .expect("covered");
+    let r = gate
+        .admit(Some(&ask), budgets.ttl_ms(), None)
         .await
-        .expect("the whole budget is free again");
-    assert!(r.is_some());
+        .expect("Redis answers");
+    assert!(
+        matches!(r, llm_worker::gate::Answer::Admitted { .. }),
+        "the whole budget is free again: {r:?}"
+    );
     let h: HashMap<String, String> = conn.hgetall(&key).await.expect("HGETALL");
     assert_eq!(
         h.keys().filter(|f| f.starts_with("r:")).count(),

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 const T: Duration = Duration::from_secs(60);
 
-/// rate_settle.lua on a window holding only this call (found with the earlier sliding
+/// The tokens correction on a window holding only this call (found with the earlier sliding
 /// log: its correction recreated a set without a TTL, and after a quiet window the total
 /// went negative, admitting limit + that amount). The bucketed window: a lone call
 /// corrected upwards, a quiet window, then a burst: the burst is admitted up to the limit,
@@ -26,8 +26,15 @@ async fn a_tpm_window_stays_within_its_limit_after_a_lone_correction_and_a_quiet
     let window = 1000u64; // the scripts take the window as an argument; 60 s in prod
     let limit = 1000u64;
     let admit = |id: String, amount: u64| {
-        let mut inv = llm_worker::scripts::RATE_ADMIT.prepare_invoke();
-        inv.key(w).arg(id).arg(window).arg(limit).arg(amount);
+        let mut inv = llm_worker::scripts::QUOTA_ADMIT.prepare_invoke();
+        inv.key(w)
+            .arg(0) // no budget window
+            .arg("")
+            .arg(0)
+            .arg(id)
+            .arg(window)
+            .arg(limit)
+            .arg(amount);
         inv
     };
     let r: Vec<i64> = admit("lone".into(), 900)
@@ -36,11 +43,21 @@ async fn a_tpm_window_stays_within_its_limit_after_a_lone_correction_and_a_quiet
         .unwrap();
     assert_eq!(r[0], 1);
     // The call really used 1000 tokens (more than its estimate).
-    let mut s = llm_worker::scripts::RATE_SETTLE.prepare_invoke();
-    s.key(w).arg(900).arg(1000).arg(r[1]);
+    let mut s = llm_worker::scripts::QUOTA_SETTLE.prepare_invoke();
+    s.key(w)
+        .arg(0)
+        .arg("")
+        .arg(0)
+        .arg("0")
+        .arg(900)
+        .arg(1000)
+        .arg(r[1]);
     let _: i64 = s.invoke_async(&mut c).await.unwrap();
     let ttl: i64 = c.pttl(w).await.unwrap();
-    assert!(ttl > 0, "the window keeps its expiry after a correction: {ttl}");
+    assert!(
+        ttl > 0,
+        "the window keeps its expiry after a correction: {ttl}"
+    );
     tokio::time::sleep(Duration::from_millis(window + 1300)).await;
     let mut admitted = 0u64;
     for i in 0..40 {

@@ -8,6 +8,7 @@
 //! in the task's `Spent` as they end, so a hand-back carries it.
 
 use crate::context;
+use crate::gate::Answer;
 use crate::job::{self};
 use crate::provider::{self, CallError, ProviderClient};
 use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus, TenantAdmit};
@@ -446,13 +447,15 @@ impl Worker {
                     break Finished::Failed(why);
                 }
             };
-            let reservation = match self.reserve_budget(&job, &cand.model).await {
-                Reserved::Yes(r) => r,
-                Reserved::Stopped => {
+            // The budgets and the fleet-wide rate limits, in one round trip, all or
+            // nothing (a call held back by a rate limit reserves no budget).
+            let ticket = match self.admit_quota(&job, &cand.model).await {
+                Quota::Yes(t) => t,
+                Quota::Stopped => {
                     release_unused(lease).await;
                     return None;
                 }
-                Reserved::Skip(e) => {
+                Quota::Skip(e) => {
                     // on_exhausted = "cheaper" (or a worst case not computable): another
                     // model of the route whose worst case fits may run.
                     release_unused(lease).await;
@@ -461,11 +464,11 @@ impl Worker {
                     }
                     break Finished::Failed(e);
                 }
-                Reserved::Fail(e) => {
+                Quota::Fail(e) => {
                     release_unused(lease).await;
                     break Finished::Failed(e);
                 }
-                Reserved::Pause(e, covers_all) => {
+                Quota::Pause(e, covers_all) => {
                     release_unused(lease).await;
                     if covers_all {
                         // Every job would wait for it: take no new ones meanwhile. A budget
@@ -477,21 +480,7 @@ impl Worker {
                         .await?;
                     continue;
                 }
-            };
-            let admission = match self.admit_rate(&job, &cand.model).await {
-                Admitted::Yes(a) => a,
-                Admitted::Stopped => {
-                    if let Some(r) = reservation {
-                        self.settle_detached(r, Some(rust_decimal::Decimal::ZERO));
-                    }
-                    release_unused(lease).await;
-                    return None;
-                }
-                Admitted::Wait(wait) => {
-                    // The budget reservation is given back: no call is made now.
-                    if let Some(r) = reservation {
-                        self.settle_detached(r, Some(rust_decimal::Decimal::ZERO));
-                    }
+                Quota::Wait(wait) => {
                     // No slot is held while a fleet-wide rate limit has no room. Limited
                     // past `slots.acquire_timeout_ms`, a later model of the route runs
                     // instead (when there is one); else the job waits for room.
@@ -537,18 +526,22 @@ impl Worker {
             {
                 let mut s = lock(spent);
                 if let Some(price) = self.prices.get(&cand.model) {
-                    if let Some(r) = reservation {
+                    if let Some(t) = ticket {
                         // The call's real cost replaces its worst case in the budgets. A
                         // success without usage may have been billed anything up to the
                         // worst case: that is what stays counted.
                         // A call cut off after it was sent (timeout, reset) is counted the
-                        // same way: the provider may bill it.
+                        // same way: the provider may bill it. Its tokens correct the
+                        // estimate the rate limits admitted.
                         let real = match outcome.usage {
                             Some(u) => crate::cost::checked_cost(&u, price).ok(),
                             None if outcome.cost_unknown() => None,
                             None => Some(rust_decimal::Decimal::ZERO),
                         };
-                        self.settle_detached(r, real);
+                        let used = outcome
+                            .usage
+                            .map(|u| u.prompt_tokens.saturating_add(u.completion_tokens));
+                        self.settle_detached(t, real, used);
                     }
                     if outcome.cost_unknown()
                         && let Some(Ok(w)) = worst.get(plan.current_index())
@@ -570,9 +563,6 @@ impl Worker {
             // Never awaited here: nothing (a slow Redis, `abort`) may stand between a paid
             // answer and its commit.
             self.release_detached(lease);
-            if let (Some(a), Some(u)) = (admission, outcome.usage) {
-                self.settle_rate_detached(a, u.prompt_tokens.saturating_add(u.completion_tokens));
-            }
             let label = match &outcome.result {
                 Ok(_) => "ok",
                 Err(e) => class_label(&e.class),
@@ -921,20 +911,10 @@ impl Worker {
     }
 }
 
-/// What the fleet-wide rate limits say about one call.
-enum Admitted {
-    /// Go on (with the admission to correct, if any limit covers the call).
-    Yes(Option<crate::ratelimit::Admission>),
-    /// No room: try again after this long.
-    Wait(Duration),
-    /// Draining: the job is left for hand-back.
-    Stopped,
-}
-
-/// What the budgets say about one call.
-enum Reserved {
-    /// Go on (with the reservation to settle, if any budget covers the call).
-    Yes(Option<(crate::budget::Reservation, rust_decimal::Decimal)>),
+/// What the budgets and the fleet-wide rate limits say about one call.
+enum Quota {
+    /// Go on (with what to settle after the call, if any quota covers it).
+    Yes(Option<Ticket>),
     /// Try another model of the route (`cheaper`), or fail with this if none is left.
     Skip(String),
     /// The job fails with this (`fail`).
@@ -942,16 +922,40 @@ enum Reserved {
     /// Wait and try again (`pause`); `true` = the budget covers every job (the reader
     /// then takes no new jobs meanwhile).
     Pause(String, bool),
+    /// A rate limit has no room: try again after this long (or another model).
+    Wait(Duration),
     /// Draining: the job is left for hand-back.
     Stopped,
 }
 
+/// A call's reservation (with its worst case) and admission, to settle after it.
+struct Ticket {
+    reservation: Option<(crate::budget::Reservation, rust_decimal::Decimal)>,
+    admission: Option<crate::ratelimit::Admission>,
+}
+
 impl Worker {
-    /// Admits one call of `model` for `job` in every fleet-wide rate limit covering it (no
-    /// round trip when none does). Retries while Redis does not answer.
-    async fn admit_rate(&self, job: &job::Job, model: &str) -> Admitted {
+    /// Reserves the worst case of one call of `model` for `job` in every budget window
+    /// covering it and admits it in every fleet-wide rate limit covering it, in one
+    /// script (`gate`; no round trip when nothing covers it). Retries while Redis does not
+    /// answer: a call never runs unreserved or unadmitted when a quota covers it.
+    async fn admit_quota(&self, job: &job::Job, model: &str) -> Quota {
         let Some(mc) = self.cfg.models.get(model) else {
-            return Admitted::Yes(None);
+            return Quota::Skip(format!("budget: unknown model {model}"));
+        };
+        // One id for every try: a try whose reply was lost is not reserved twice.
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let budget = if self.budgets.is_empty() {
+            None
+        } else {
+            let worst = match quota::worst_case(&job.body, mc) {
+                Ok(w) => w,
+                Err(e) => return Quota::Skip(format!("budget: {model}: {e}")),
+            };
+            match self.budgets.ask(&id, model, job.tenant.as_deref(), worst) {
+                Ok(a) => a,
+                Err(e) => return on_exhausted(e),
+            }
         };
         let limited = mc.rpm.is_some()
             || mc.tpm.is_some()
@@ -960,106 +964,68 @@ impl Worker {
                 .providers
                 .get(&mc.provider)
                 .is_some_and(|p| p.rpm.is_some() || p.tpm.is_some());
-        if !limited {
-            return Admitted::Yes(None);
-        }
-        let tokens = crate::ratelimit::token_estimate(&job.body, mc);
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let mut backoff = Backoff::redis();
-        loop {
-            match self.rates.admit(&id, model, tokens).await {
-                Ok(a) => return Admitted::Yes(a),
-                Err(crate::ratelimit::RateError::Limited { wait, .. }) => {
-                    return Admitted::Wait(wait);
-                }
-                Err(e) => {
-                    if backoff.failures() == 0 {
-                        tracing::warn!(error = %e, job = %job.id, "cannot check the fleet-wide rate limit; retrying until Redis answers");
-                    }
-                    backoff.sleep(&self.draining).await;
-                    if self.draining.is_cancelled() {
-                        return Admitted::Stopped;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Corrects a call's token admission to its real usage, in a tracked task.
-    fn settle_rate_detached(&self, a: crate::ratelimit::Admission, used: u64) {
-        let rates = self.rates.clone();
-        self.releases.spawn(async move {
-            for attempt in 0..5u32 {
-                match tokio::time::timeout(RELEASE_BOUND, rates.settle(&a, used)).await {
-                    Ok(Ok(())) => return,
-                    _ => tokio::time::sleep(Duration::from_millis(100 << attempt)).await,
-                }
-            }
-            tracing::debug!(
-                "rate limit token correction failed; the estimate stays counted for the minute"
-            );
-        });
-    }
-
-    /// Reserves the worst case of one call of `model` for `job` in every budget window
-    /// covering it (no round trip when no budget is configured). Retries while Redis
-    /// does not answer: a call never runs unreserved when a budget covers it.
-    async fn reserve_budget(&self, job: &job::Job, model: &str) -> Reserved {
-        if self.budgets.is_empty() {
-            return Reserved::Yes(None);
-        }
-        let worst = match self.cfg.models.get(model) {
-            Some(mc) => match quota::worst_case(&job.body, mc) {
-                Ok(w) => w,
-                Err(e) => return Reserved::Skip(format!("budget: {model}: {e}")),
-            },
-            None => return Reserved::Skip(format!("budget: unknown model {model}")),
+        let rate = if limited {
+            let tokens = crate::ratelimit::token_estimate(&job.body, mc);
+            self.rates.ask(&id, model, tokens)
+        } else {
+            None
         };
+        if budget.is_none() && rate.is_none() {
+            return Quota::Yes(None);
+        }
         let mut backoff = Backoff::redis();
-        // One id for every try: a try whose reply was lost is not reserved twice.
-        let id = uuid::Uuid::new_v4().simple().to_string();
         loop {
             match self
-                .budgets
-                .reserve(&id, model, job.tenant.as_deref(), worst)
+                .gate
+                .admit(budget.as_ref(), self.budgets.ttl_ms(), rate.as_ref())
                 .await
             {
-                Ok(r) => return Reserved::Yes(r.map(|r| (r, worst))),
-                Err(e @ crate::budget::BudgetError::Exhausted { on, covers_all, .. }) => {
-                    return match on {
-                        crate::config::OnExhausted::Fail => Reserved::Fail(e.to_string()),
-                        crate::config::OnExhausted::Cheaper => Reserved::Skip(e.to_string()),
-                        crate::config::OnExhausted::Pause => {
-                            Reserved::Pause(e.to_string(), covers_all)
-                        }
-                    };
+                Ok(Answer::Admitted { second }) => {
+                    return Quota::Yes(Some(Ticket {
+                        reservation: budget.map(|b| {
+                            let worst = b.worst();
+                            (b.reservation(), worst)
+                        }),
+                        admission: rate.map(|r| r.admission(second)),
+                    }));
                 }
-                Err(e @ crate::budget::BudgetError::Uncomputable(_)) => {
-                    return Reserved::Skip(e.to_string());
+                Ok(Answer::Budget { i, left }) => {
+                    let Some(b) = &budget else {
+                        return Quota::Wait(Duration::from_secs(1));
+                    };
+                    return on_exhausted(self.budgets.exhausted(b, i, left));
+                }
+                Ok(Answer::Rate { wait, i }) => {
+                    metrics::counter!("llm_worker_rate_limited_total", "model" => model.to_string())
+                        .increment(1);
+                    if let Some(r) = &rate {
+                        tracing::debug!(job = %job.id, reason = %r.limited(i, wait), "held back by a rate limit");
+                    }
+                    return Quota::Wait(wait);
                 }
                 Err(e) => {
                     if backoff.failures() == 0 {
-                        tracing::warn!(error = %e, job = %job.id, "cannot reserve the call's budget; retrying until Redis answers");
+                        tracing::warn!(error = %e, job = %job.id, "cannot check the call's budget and rate limits; retrying until Redis answers");
                     }
                     backoff.sleep(&self.draining).await;
                     if self.draining.is_cancelled() {
-                        return Reserved::Stopped;
+                        return Quota::Stopped;
                     }
                 }
             }
         }
     }
 
-    /// Settles a reservation in a task of its own (tracked like slot releases, so a
+    /// Settles a call's ticket in a task of its own (tracked like slot releases, so a
     /// stopping worker waits for it, bounded): `real` = the call's cost, `None` = unknown
-    /// (the worst case stays counted).
-    fn settle_detached(
-        &self,
-        (r, worst): (crate::budget::Reservation, rust_decimal::Decimal),
-        real: Option<rust_decimal::Decimal>,
-    ) {
-        let budgets = self.budgets.clone();
-        let cost = real.unwrap_or(worst);
+    /// (the worst case stays counted); `used` = its real tokens, if it reported usage.
+    fn settle_detached(&self, t: Ticket, real: Option<rust_decimal::Decimal>, used: Option<u64>) {
+        let gate = self.gate.clone();
+        let cost = match &t.reservation {
+            Some((_, worst)) => real.unwrap_or(*worst),
+            None => rust_decimal::Decimal::ZERO,
+        };
+        let picos = crate::cost::to_picos(cost).unwrap_or(0);
         self.releases.spawn(async move {
             // Until Redis answers (a paid call must reach the budget), bounded so a
             // worker never keeps a task forever: after SETTLE_GIVE_UP the cost is lost to
@@ -1067,11 +1033,23 @@ impl Worker {
             let started = Instant::now();
             let mut first = true;
             let mut wait = Duration::from_millis(100);
+            let reservation = t.reservation.as_ref().map(|(r, _)| r);
             loop {
-                match tokio::time::timeout(RELEASE_BOUND, budgets.settle(&r, cost, first)).await {
-                    Ok(Ok(())) => return,
-                    Ok(Err((e, sent))) => {
-                        first &= !sent;
+                let settle = gate.settle(reservation, picos, first, t.admission.as_ref(), used);
+                match tokio::time::timeout(RELEASE_BOUND, settle).await {
+                    Ok(Ok(settled)) => {
+                        if reservation.is_some_and(|r| settled < r.keys.len()) {
+                            tracing::warn!(
+                                "a budget reservation had expired before its call was settled \
+                                 (the worker stalled past the reservation's ttl); that call's cost \
+                                 is not counted in the budget"
+                            );
+                        }
+                        return;
+                    }
+                    Ok(Err(e)) => {
+                        // A reply error means the script may have run.
+                        first &= matches!(e, crate::gate::GateError::Pool(_));
                         if started.elapsed() > SETTLE_GIVE_UP {
                             tracing::error!(error = %e, "budget settle failed for 10 minutes; this call's cost is not in the budget");
                             return;
@@ -1125,6 +1103,18 @@ impl Worker {
 pub(super) const RELEASE_BOUND: Duration = Duration::from_secs(5);
 
 /// Gives back a slot taken for a call that will not start (draining began).
+/// What a budget's `on_exhausted` makes of `e` (a budget that has no room for the call).
+fn on_exhausted(e: crate::budget::BudgetError) -> Quota {
+    match e {
+        crate::budget::BudgetError::Exhausted { on, covers_all, .. } => match on {
+            crate::config::OnExhausted::Fail => Quota::Fail(e.to_string()),
+            crate::config::OnExhausted::Cheaper => Quota::Skip(e.to_string()),
+            crate::config::OnExhausted::Pause => Quota::Pause(e.to_string(), covers_all),
+        },
+        e => Quota::Skip(e.to_string()),
+    }
+}
+
 /// What [`Worker::tenant_place`] found.
 enum Place {
     Held(crate::tenants::TenantLease),

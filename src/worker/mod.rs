@@ -90,6 +90,8 @@ pub struct Worker {
     budgets: crate::budget::Budgets,
     /// Fleet-wide rpm / tpm limits (admit before a call, correct the tokens after it).
     rates: crate::ratelimit::RateLimits,
+    /// The one script each before and after a call for budgets and rate limits together.
+    gate: crate::gate::Gate,
     /// Models and providers the fleet routes around for a while.
     pub cooldowns: crate::cooldown::Cooldowns,
     /// Tenant places under `pools.<p>.max_per_tenant` (admit or park before a slot).
@@ -99,16 +101,29 @@ pub struct Worker {
     paused_until: Mutex<Option<Instant>>,
 }
 
+/// The fleet-wide quota rooms a worker uses, built by the daemon.
+pub struct Quotas {
+    pub budgets: crate::budget::Budgets,
+    pub rates: crate::ratelimit::RateLimits,
+    pub gate: crate::gate::Gate,
+    pub cooldowns: crate::cooldown::Cooldowns,
+    pub tenants: crate::tenants::Tenants,
+}
+
 impl Worker {
     pub fn new(
         cfg: Arc<Config>,
         queue: Queue,
         slots: Slots,
-        budgets: crate::budget::Budgets,
-        rates: crate::ratelimit::RateLimits,
-        cooldowns: crate::cooldown::Cooldowns,
-        tenants: crate::tenants::Tenants,
+        quotas: Quotas,
     ) -> Result<Worker, WorkerError> {
+        let Quotas {
+            budgets,
+            rates,
+            gate,
+            cooldowns,
+            tenants,
+        } = quotas;
         let cfg_concurrency = cfg.worker.concurrency();
         let mut providers = HashMap::new();
         for (name, p) in &cfg.providers {
@@ -153,6 +168,7 @@ impl Worker {
             releases: tokio_util::task::TaskTracker::new(),
             budgets,
             rates,
+            gate,
             cooldowns,
             tenants,
             paused_until: Mutex::new(None),

@@ -1,0 +1,126 @@
+//! The fleet-wide quotas of one call, in one round trip before it and one after it: its
+//! budget reservation ([`crate::budget`]) and its rpm / tpm admission
+//! ([`crate::ratelimit`]) are one script (`lua/quota_admit.lua`), all or nothing; its
+//! settlement (real cost, real tokens) is another (`lua/quota_settle.lua`).
+//!
+//! Invariants: a call held back by a rate limit reserves no budget, and one refused by a
+//! budget takes no rate; budget windows are checked first (a budget's verdict, not a
+//! rate limit's wait, decides `on_exhausted`); a retry of a try whose reply was lost
+//! neither reserves nor admits twice (the reservation id, or the last admitted id).
+
+use crate::budget::{BudgetAsk, Reservation};
+use crate::connect::Commands;
+use crate::ratelimit::{Admission, RateAsk, WINDOW};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GateError {
+    #[error("redis: {0} (retry when Redis answers again)")]
+    Redis(redis::RedisError),
+    #[error("redis pool: {0} (retry when Redis answers again)")]
+    Pool(deadpool_redis::PoolError),
+}
+
+from_cause!(GateError, GateError::Redis, redis::RedisError);
+from_cause!(GateError, GateError::Pool, deadpool_redis::PoolError);
+
+/// What [`Gate::admit`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// Reserved and admitted; the rate bucket is the server's unix `second`.
+    Admitted { second: i64 },
+    /// Budget window `i` (from 0) has only `left` pico-dollars: nothing done.
+    Budget { i: usize, left: i64 },
+    /// Rate limit `i` (from 0) has no room for `wait`: nothing done.
+    Rate { i: usize, wait: Duration },
+}
+
+/// The quota scripts on this worker's connections. Cheap to clone.
+#[derive(Clone)]
+pub struct Gate {
+    conn: Commands,
+}
+
+impl Gate {
+    pub fn new(conn: Commands) -> Gate {
+        Gate { conn }
+    }
+
+    /// Reserves `budget` (for `ttl_ms`) and admits `rate`, all or nothing.
+    pub async fn admit(
+        &self,
+        budget: Option<&BudgetAsk>,
+        ttl_ms: u64,
+        rate: Option<&RateAsk>,
+    ) -> Result<Answer, GateError> {
+        let mut inv = crate::scripts::QUOTA_ADMIT.prepare_invoke();
+        let nb = budget.map_or(0, |b| b.keys().count());
+        inv.arg(nb)
+            .arg(budget.map_or("", |b| b.id.as_str()))
+            .arg(ttl_ms)
+            .arg(rate.map_or("", |r| r.id.as_str()))
+            .arg(WINDOW.as_millis() as u64);
+        if let Some(b) = budget {
+            for k in b.keys() {
+                inv.key(k);
+            }
+            for a in b.args() {
+                inv.arg(a);
+            }
+        }
+        if let Some(r) = rate {
+            for k in r.keys() {
+                inv.key(k);
+            }
+            for a in r.args() {
+                inv.arg(a);
+            }
+        }
+        let mut conn = self.conn.get().await?;
+        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        let at = |n: usize| reply.get(n).copied().unwrap_or(0);
+        Ok(match (at(0), at(1)) {
+            (1, second) => Answer::Admitted { second },
+            (_, 1) => Answer::Budget {
+                i: (at(2).max(1) - 1) as usize,
+                left: at(3),
+            },
+            _ => Answer::Rate {
+                i: (at(2).max(1) - 1) as usize,
+                wait: Duration::from_millis(at(3).max(1) as u64),
+            },
+        })
+    }
+
+    /// Settles `reservation` to `cost_picos` and corrects `admission` to `used` tokens.
+    /// `first` = no earlier try of this settle can have reached Redis (see
+    /// `lua/quota_settle.lua`). Returns how many budget windows counted the cost.
+    pub async fn settle(
+        &self,
+        reservation: Option<&Reservation>,
+        cost_picos: i64,
+        first: bool,
+        admission: Option<&Admission>,
+        used: Option<u64>,
+    ) -> Result<usize, GateError> {
+        let mut inv = crate::scripts::QUOTA_SETTLE.prepare_invoke();
+        let nb = reservation.map_or(0, |r| r.keys.len());
+        let (tokens, second) = admission.map_or((0, 0), |a| (a.tokens, a.second));
+        inv.arg(nb)
+            .arg(reservation.map_or("", |r| r.id.as_str()))
+            .arg(cost_picos)
+            .arg(if first { "1" } else { "0" })
+            .arg(tokens)
+            .arg(used.unwrap_or(tokens))
+            .arg(second);
+        for k in reservation.iter().flat_map(|r| r.keys.iter()) {
+            inv.key(k);
+        }
+        for k in admission.iter().flat_map(|a| a.token_keys.iter()) {
+            inv.key(k);
+        }
+        let mut conn = self.conn.get().await?;
+        let settled: i64 = inv.invoke_async(&mut conn).await?;
+        Ok(settled.max(0) as usize)
+    }
+}
