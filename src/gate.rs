@@ -72,6 +72,7 @@ impl Gate {
             for k in r.keys() {
                 inv.key(k);
             }
+            inv.key(&r.adm_key);
             for a in r.args() {
                 inv.arg(a);
             }
@@ -105,19 +106,24 @@ impl Gate {
     ) -> Result<usize, GateError> {
         let mut inv = crate::scripts::QUOTA_SETTLE.prepare_invoke();
         let nb = reservation.map_or(0, |r| r.keys.len());
-        let (tokens, second) = admission.map_or((0, 0), |a| (a.tokens, a.second));
+        // Only a tokens admission has anything to correct (its record goes with it).
+        let tokens_admission = admission.filter(|a| !a.token_keys.is_empty());
+        let tokens = tokens_admission.map_or(0, |a| a.tokens);
         inv.arg(nb)
             .arg(reservation.map_or("", |r| r.id.as_str()))
             .arg(cost_picos)
             .arg(if first { "1" } else { "0" })
             .arg(tokens)
             .arg(used.unwrap_or(tokens))
-            .arg(second);
+            .arg(if tokens_admission.is_some() { "1" } else { "0" });
         for k in reservation.iter().flat_map(|r| r.keys.iter()) {
             inv.key(k);
         }
-        for k in admission.iter().flat_map(|a| a.token_keys.iter()) {
-            inv.key(k);
+        if let Some(a) = tokens_admission {
+            for k in &a.token_keys {
+                inv.key(k);
+            }
+            inv.key(&a.adm_key);
         }
         let mut conn = self.conn.get().await?;
         let settled: i64 = inv.invoke_async(&mut conn).await?;

@@ -47,8 +47,8 @@ pub struct Admission {
     pub(crate) token_keys: Vec<String>,
     /// The tokens admitted (the estimate).
     pub(crate) tokens: u64,
-    /// The server's unix second it was admitted in (its bucket).
-    pub(crate) second: i64,
+    /// Its admission record: the tokens correction is made once, in its bucket.
+    pub(crate) adm_key: String,
 }
 
 /// The fleet-wide limits of this config. Cheap to clone.
@@ -138,6 +138,7 @@ impl RateLimits {
         let limits = self.limits(model, tokens);
         (!limits.is_empty()).then(|| RateAsk {
             id: id.to_string(),
+            adm_key: format!("{{{}}}:rate:adm:{id}", self.cfg.queue.namespace),
             limits,
             tokens,
         })
@@ -147,6 +148,8 @@ impl RateLimits {
 /// An admission to make: the limits covering one call.
 pub struct RateAsk {
     pub(crate) id: String,
+    /// The admission record (see `lua/quota_admit.lua`).
+    pub(crate) adm_key: String,
     limits: Vec<Limit>,
     tokens: u64,
 }
@@ -171,9 +174,10 @@ impl RateAsk {
             wait,
         }
     }
-    /// The admission once the script made it in the bucket of `second`.
-    pub fn admission(self, second: i64) -> Admission {
+    /// The admission once the script made it (its bucket is in its record).
+    pub fn admission(self) -> Admission {
         Admission {
+            adm_key: self.adm_key,
             token_keys: self
                 .limits
                 .iter()
@@ -181,7 +185,6 @@ impl RateAsk {
                 .map(|l| window_key(&l.stem))
                 .collect(),
             tokens: self.tokens,
-            second,
         }
     }
 }

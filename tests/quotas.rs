@@ -28,6 +28,7 @@ async fn a_tpm_window_stays_within_its_limit_after_a_lone_correction_and_a_quiet
     let admit = |id: String, amount: u64| {
         let mut inv = llm_worker::scripts::QUOTA_ADMIT.prepare_invoke();
         inv.key(w)
+            .key(format!("{{llm}}:rate:adm:{id}"))
             .arg(0) // no budget window
             .arg("")
             .arg(0)
@@ -45,13 +46,14 @@ async fn a_tpm_window_stays_within_its_limit_after_a_lone_correction_and_a_quiet
     // The call really used 1000 tokens (more than its estimate).
     let mut s = llm_worker::scripts::QUOTA_SETTLE.prepare_invoke();
     s.key(w)
+        .key("{llm}:rate:adm:lone")
         .arg(0)
         .arg("")
         .arg(0)
         .arg("0")
         .arg(900)
         .arg(1000)
-        .arg(r[1]);
+        .arg("1");
     let _: i64 = s.invoke_async(&mut c).await.unwrap();
     let ttl: i64 = c.pttl(w).await.unwrap();
     assert!(
@@ -118,7 +120,11 @@ async fn a_budget_paused_job_takes_no_rpm_of_its_provider() {
     push(&mut conn, "llm", &[a.to_string()]).await;
     let mut w = WorkerProc::spawn(&cfg, "w1", &env);
     tokio::time::sleep(Duration::from_secs(12)).await;
-    let held: u64 = conn.zcard("{llm}:rate:p:p1:rpm").await.unwrap();
+    let held: u64 = conn
+        .hget::<_, _, Option<u64>>("{llm}:rate:p:p1:rpm:w", "n")
+        .await
+        .unwrap()
+        .unwrap_or(0);
     eprintln!(
         "p1 rpm window holds {held} admissions; sim calls m1={} m2={}",
         calls_to(&sim, "m1"),
@@ -248,4 +254,208 @@ async fn prefixed_model_ids_at_get_models_exclude_no_model() {
     context(got, &[&w]).expect("a result");
     let results = entries(&mut conn, "{llm}:results").await;
     assert_eq!(results[0].1["status"], "ok", "{:?}", results[0].1);
+}
+
+/// One call's quota scripts run directly: `budget` = (window key, limit picos, amount
+/// picos, reservation ttl ms) or none; `rate` = (window key, limit, amount) or none.
+/// Returns the script's reply.
+async fn quota_admit(
+    c: &mut redis::aio::MultiplexedConnection,
+    id: &str,
+    budget: Option<(&str, i64, i64, u64)>,
+    rate: Option<(&str, u64, u64)>,
+    window_ms: u64,
+) -> Vec<i64> {
+    let mut inv = llm_worker::scripts::QUOTA_ADMIT.prepare_invoke();
+    inv.arg(budget.is_some() as u8)
+        .arg(budget.map_or("", |_| id))
+        .arg(budget.map_or(0, |b| b.3))
+        .arg(rate.map_or("", |_| id))
+        .arg(window_ms);
+    if let Some((k, limit, amount, _)) = budget {
+        inv.key(k).arg(limit).arg(amount).arg(i64::MAX);
+    }
+    if let Some((k, limit, amount)) = rate {
+        inv.key(k).arg(limit).arg(amount);
+        inv.key(format!("{{llm}}:rate:adm:{id}"));
+    }
+    inv.invoke_async(c).await.expect("quota_admit")
+}
+
+/// Settles one call: the reservation (window key) to `cost` picos, the tokens admission
+/// (window key) from `est` to `used`.
+async fn quota_settle(
+    c: &mut redis::aio::MultiplexedConnection,
+    id: &str,
+    budget: Option<&str>,
+    cost: i64,
+    first: bool,
+    rate: Option<(&str, u64, u64)>,
+) -> i64 {
+    let mut inv = llm_worker::scripts::QUOTA_SETTLE.prepare_invoke();
+    inv.arg(budget.is_some() as u8)
+        .arg(id)
+        .arg(cost)
+        .arg(if first { "1" } else { "0" })
+        .arg(rate.map_or(0, |r| r.1))
+        .arg(rate.map_or(0, |r| r.2))
+        .arg(if rate.is_some() { "1" } else { "0" });
+    if let Some(k) = budget {
+        inv.key(k);
+    }
+    if let Some((k, _, _)) = rate {
+        inv.key(k);
+        inv.key(format!("{{llm}}:rate:adm:{id}"));
+    }
+    inv.invoke_async(c).await.expect("quota_settle")
+}
+
+/// Review finding: a settle retried after a lost reply applied the tokens correction
+/// twice (the budget part is idempotent, the tokens part was not): the window counted
+/// fewer tokens than were really in it, and admitted past its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_settle_corrects_the_tokens_once() {
+    let redis = RedisServer::start();
+    let mut c = redis.conn().await;
+    let w = "{llm}:rate:m:m1:tpm:w";
+    for id in ["c1", "c2"] {
+        let r = quota_admit(&mut c, id, None, Some((w, 1000, 500)), 60_000).await;
+        assert_eq!(r[0], 1, "{id}: {r:?}");
+    }
+    // c1 used 100 tokens (estimated 500); its settle reply is lost and it is sent again.
+    quota_settle(&mut c, "c1", None, 0, true, Some((w, 500, 100))).await;
+    quota_settle(&mut c, "c1", None, 0, false, Some((w, 500, 100))).await;
+    let n: i64 = c.hget(w, "n").await.unwrap();
+    assert_eq!(n, 600, "c1 100 + c2 500 are in the window");
+    let r = quota_admit(&mut c, "c3", None, Some((w, 1000, 800)), 60_000).await;
+    assert_eq!(r[0], 0, "800 more would make 1,400 of 1,000: {r:?}");
+}
+
+/// Review finding: an admission retried after a lost reply answered with the retry's own
+/// second, so the tokens correction went to a bucket that does not hold the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_admission_answers_the_second_it_was_admitted_in() {
+    let redis = RedisServer::start();
+    let mut c = redis.conn().await;
+    let w = "{llm}:rate:m:m1:tpm:w";
+    let b = "{llm}:budget:all:*:d:2026-12-03";
+    let first = quota_admit(
+        &mut c,
+        "c1",
+        Some((b, 1_000_000, 10, 60_000)),
+        Some((w, 1000, 500)),
+        60_000,
+    )
+    .await;
+    assert_eq!(first[0], 1);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let again = quota_admit(
+        &mut c,
+        "c1",
+        Some((b, 1_000_000, 10, 60_000)),
+        Some((w, 1000, 500)),
+        60_000,
+    )
+    .await;
+    assert_eq!(again, first, "a retry answers the first try's second");
+    let n: i64 = c.hget(w, "n").await.unwrap();
+    assert_eq!(n, 500, "admitted once");
+    // The call used 1,400 tokens: the correction lands in its bucket.
+    quota_settle(&mut c, "c1", Some(b), 10, true, Some((w, 500, 1400))).await;
+    let n: i64 = c.hget(w, "n").await.unwrap();
+    assert_eq!(n, 1400);
+}
+
+/// Review finding: an admission retried after its reservation had expired (Redis away
+/// past the ttl after a lost reply) answered "reserved" on a reservation no window
+/// counts any more: the call ran unreserved beside another that took the whole limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_the_reservation_expired_reserves_again() {
+    let redis = RedisServer::start();
+    let mut c = redis.conn().await;
+    let b = "{llm}:budget:all:*:d:2026-12-03";
+    let r = quota_admit(&mut c, "c1", Some((b, 1000, 1000, 300)), None, 60_000).await;
+    assert_eq!(r[0], 1);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // c1's retry (its first reply was lost): its reservation has expired, so it must
+    // reserve again, not run on the dead one.
+    let r = quota_admit(&mut c, "c1", Some((b, 1000, 1000, 60_000)), None, 60_000).await;
+    assert_eq!(r[0], 1);
+    let r = quota_admit(&mut c, "c2", Some((b, 1000, 1000, 60_000)), None, 60_000).await;
+    assert_eq!(
+        r[0], 0,
+        "c2 must not run beside c1: the limit holds one call: {r:?}"
+    );
+}
+
+/// Review finding: a running sum of reservations of 1e17 pico-dollars or more was stored
+/// as "1e+17" (Lua's number format) and the next HINCRBY failed half-way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_budgets_keep_exact_integer_sums() {
+    let redis = RedisServer::start();
+    let mut c = redis.conn().await;
+    let b = "{llm}:budget:big:*:d:2026-12-03";
+    let amount = 100_000_000_000_000_000i64; // 1e17 picos = 100,000 USD
+    for id in ["c1", "c2", "c3"] {
+        // A recount on every call: `x` lies in the past.
+        let _: () = c.hset(b, "x", 1).await.unwrap();
+        let r = quota_admit(
+            &mut c,
+            id,
+            Some((b, i64::MAX, amount, 60_000)),
+            None,
+            60_000,
+        )
+        .await;
+        assert_eq!(r[0], 1, "{id}: {r:?}");
+    }
+    let h: String = c.hget(b, "h").await.unwrap();
+    assert_eq!(h, (3 * amount).to_string());
+    assert_eq!(quota_settle(&mut c, "c1", Some(b), 5, true, None).await, 1);
+}
+
+/// Review finding: after the Redis clock went back (a failover to a server whose clock
+/// is behind), buckets written below the window's oldest second `o` were never
+/// subtracted: the window stayed full for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_window_recovers_from_a_clock_that_went_back() {
+    let redis = RedisServer::start();
+    let mut c = redis.conn().await;
+    let w = "{llm}:rate:m:m1:rpm:w";
+    let (now, _): (u64, u64) = redis::cmd("TIME").query_async(&mut c).await.unwrap();
+    // The window as a server 5 s ahead left it.
+    let _: () = redis::cmd("HSET")
+        .arg(w)
+        .arg("o")
+        .arg(now + 5)
+        .arg("n")
+        .arg(0)
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let r = quota_admit(&mut c, "c1", None, Some((w, 1, 1)), 1000).await;
+    assert_eq!(r[0], 1);
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let r = quota_admit(&mut c, "c2", None, Some((w, 1, 1)), 1000).await;
+    assert_eq!(r[0], 1, "c1 left the 1 s window 2 s ago: {r:?}");
+}
+
+/// Review finding: `x` (no reservation expires before it) was never lowered, so a
+/// reservation with a shorter ttl (another worker's config) that expired stayed counted
+/// until the longer one's `x`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_reservation_expires_on_time_beside_a_long_one() {
+    let redis = RedisServer::start();
+    let mut c = redis.conn().await;
+    let b = "{llm}:budget:all:*:d:2026-12-03";
+    let r = quota_admit(&mut c, "long", Some((b, 1000, 100, 60_000)), None, 60_000).await;
+    assert_eq!(r[0], 1);
+    let r = quota_admit(&mut c, "short", Some((b, 1000, 900, 300)), None, 60_000).await;
+    assert_eq!(r[0], 1);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = quota_admit(&mut c, "next", Some((b, 1000, 900, 60_000)), None, 60_000).await;
+    assert_eq!(
+        r[0], 1,
+        "the short reservation expired: 900 fits again: {r:?}"
+    );
 }

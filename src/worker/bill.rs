@@ -89,6 +89,8 @@ pub(super) struct Spent {
     /// The place kept for this entry (it was moved back from a parked stream) was taken by
     /// its admission; else the worker gives it back when the job ends.
     pub(super) kept_taken: bool,
+    /// The error class of the last failed call (for the log line of a failed job).
+    pub(super) last_class: Option<&'static str>,
 }
 
 impl Spent {

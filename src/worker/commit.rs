@@ -245,7 +245,21 @@ impl Worker {
                 result.content = Some(completion.content);
                 result.finish_reason = Some(completion.finish_reason);
             }
-            Finished::Failed(e) => result.error = Some(provider::one_line(&e)),
+            Finished::Failed(e) => {
+                // The class of the last call's error, else the reason's first word
+                // (`budget:`, `tier:`, `context:`).
+                let class = spent
+                    .last_class
+                    .unwrap_or_else(|| e.split(':').next().unwrap_or("").trim());
+                tracing::warn!(
+                    tried = %spent.tried.join(","),
+                    attempts = spent.attempts,
+                    class,
+                    error = %provider::one_line(&e),
+                    "job failed"
+                );
+                result.error = Some(provider::one_line(&e));
+            }
         }
         result.input_tokens = bill.usage.prompt_tokens;
         result.output_tokens = bill.usage.completion_tokens;

@@ -202,6 +202,7 @@ impl Worker {
                 ));
             }
         };
+        tracing::Span::current().record("id", job.id.as_str());
         if job.keyed {
             // keepalive extends the id's in-progress marker (none for an id-less job)
             lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
@@ -550,6 +551,9 @@ impl Worker {
                         s.unknown_worst = s.unknown_worst.saturating_add(*w);
                     }
                     s.bill.add(&cand.model, outcome.usage, price);
+                    if let Some(u) = outcome.usage {
+                        call_metrics(&cand.model, &u, price);
+                    }
                     if outcome.usage.is_some()
                         && let Some(raw) = &outcome.raw_usage
                     {
@@ -582,6 +586,7 @@ impl Worker {
                     };
                 }
                 Err(CallError { class, message, .. }) => {
+                    lock(spent).last_class = Some(class_label(&class));
                     self.share_cooldown(&cand, &class, &message).await;
                     let decision = plan.on_error(&class, rand::random::<f64>());
                     tracing::debug!(job = %job.id, model = %cand.model, error = %message, ?decision, "attempt failed");
@@ -590,6 +595,12 @@ impl Worker {
                             self.unless_draining(tokio::time::sleep(after)).await?
                         }
                         Decision::Switch(_) => {
+                            tracing::info!(
+                                model = %cand.model,
+                                class = class_label(&class),
+                                next = %plan.current().model,
+                                "model failed; falling back to the route's next model"
+                            );
                             metrics::counter!("llm_worker_fallbacks_total").increment(1);
                         }
                         Decision::Fail => {
@@ -980,13 +991,13 @@ impl Worker {
                 .admit(budget.as_ref(), self.budgets.ttl_ms(), rate.as_ref())
                 .await
             {
-                Ok(Answer::Admitted { second }) => {
+                Ok(Answer::Admitted { .. }) => {
                     return Quota::Yes(Some(Ticket {
                         reservation: budget.map(|b| {
                             let worst = b.worst();
                             (b.reservation(), worst)
                         }),
-                        admission: rate.map(|r| r.admission(second)),
+                        admission: rate.map(|r| r.admission()),
                     }));
                 }
                 Ok(Answer::Budget { i, left }) => {
@@ -1169,6 +1180,23 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// Per-model cost (pico-dollars, exact) and tokens of one billed call, for /metrics.
+fn call_metrics(model: &str, u: &crate::cost::Usage, price: &crate::cost::Price) {
+    let m = model.to_string();
+    if let Ok(c) = crate::cost::checked_cost(u, price)
+        && let Some(p) = crate::cost::to_picos(c)
+    {
+        metrics::counter!("llm_worker_cost_picodollars_total", "model" => m.clone())
+            .increment(p.max(0) as u64);
+    }
+    metrics::counter!("llm_worker_tokens_total", "model" => m.clone(), "kind" => "input")
+        .increment(u.prompt_tokens);
+    metrics::counter!("llm_worker_tokens_total", "model" => m.clone(), "kind" => "output")
+        .increment(u.completion_tokens);
+    metrics::counter!("llm_worker_tokens_total", "model" => m, "kind" => "cached")
+        .increment(u.cached_tokens);
 }
 
 pub(super) fn class_label(c: &ErrorClass) -> &'static str {

@@ -237,11 +237,16 @@ impl Worker {
         };
         let me = self.clone();
         let abort = abort.clone();
-        tracker.spawn(async move {
-            let mut guard = guard; // moved in whole: dropped with the task, whatever ends it
-            guard.settled = me.handle(d, abort).await;
-            guard.ended = true;
-        });
+        // Every log line of the job carries its entry id, and its job id once parsed.
+        let span = tracing::info_span!("job", entry = %d.entry_id, id = tracing::field::Empty);
+        tracker.spawn(tracing::Instrument::instrument(
+            async move {
+                let mut guard = guard; // moved in whole: dropped with the task, whatever ends it
+                guard.settled = me.handle(d, abort).await;
+                guard.ended = true;
+            },
+            span,
+        ));
     }
 
     /// Running here, or settled here lately (the guard fills `finished` before it
