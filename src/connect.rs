@@ -167,6 +167,7 @@ impl Commands {
         if cur.0 == generation && cur.1.is_some() {
             cur.1 = None;
             cur.0 += 1;
+            metrics::counter!("llm_worker_redis_reconnects_total").increment(1);
             tracing::debug!(
                 generation,
                 "redis command connection dropped after a timeout or IO error"

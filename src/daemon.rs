@@ -94,6 +94,26 @@ pub async fn run(
     // Known before the first job: a worker started during a cooldown routes around it.
     let _ = tokio::time::timeout(Duration::from_secs(1), cooldowns.refresh()).await;
     let cooldown_task = cooldowns.spawn_refresh(background.clone());
+    metrics::gauge!("llm_worker_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    // Shown from the start (at 0), not only after the first event.
+    metrics::counter!("llm_worker_redis_reconnects_total").increment(0);
+    metrics::gauge!("llm_worker_jobs_in_flight").set(0.0);
+    // Queue length, group lag and pending, dead letters: sampled every 5 s (3 commands).
+    let sampler = {
+        let queue = queue.clone();
+        let stop = background.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                    _ = stop.cancelled() => return,
+                }
+                if let Err(e) = queue.sample_gauges().await {
+                    tracing::debug!(error = %e, "queue gauges not sampled; next try in 5 s");
+                }
+            }
+        })
+    };
     let tenants = crate::tenants::Tenants::new(&cfg, pool.clone(), slots.token());
     let tenant_task = tenants.spawn_background(background.clone());
     let mut worker = Worker::new(
@@ -156,6 +176,7 @@ pub async fn run(
     let _ = tokio::time::timeout(Duration::from_millis(300), slots_task).await;
     let _ = tokio::time::timeout(Duration::from_millis(300), cooldown_task).await;
     let _ = tokio::time::timeout(Duration::from_millis(300), tenant_task).await;
+    let _ = tokio::time::timeout(Duration::from_millis(300), sampler).await;
     if let Some(t) = server_task {
         let _ = tokio::time::timeout(Duration::from_millis(300), t).await;
     }

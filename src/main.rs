@@ -168,7 +168,7 @@ async fn real_main(
         None | Some(Cmd::Run) => {
             let cfg = cfg.context("config")?;
             init_tracing(&cfg.log.format, &cfg.log.level);
-            let prom = metrics_exporter_prometheus::PrometheusBuilder::new()
+            let prom = llm_worker::server::metrics_builder()
                 .install_recorder()
                 .context("installing the metrics recorder")?;
             let upkeep = prom.clone();

@@ -59,3 +59,27 @@ pub async fn serve(
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await
 }
+
+/// Histogram buckets for LLM latencies (a call, a job): 100 ms to 5 min.
+pub const LLM_SECONDS: [f64; 12] = [
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Histogram buckets for a slot wait: mostly milliseconds, up to 5 min.
+pub const WAIT_SECONDS: [f64; 13] = [
+    0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+/// The Prometheus exporter's builder: every `*_seconds` metric a histogram (buckets
+/// aggregate across a fleet of pods; a summary's quantiles do not).
+pub fn metrics_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
+    use metrics_exporter_prometheus::Matcher;
+    let b = metrics_exporter_prometheus::PrometheusBuilder::new();
+    let b = b
+        .set_buckets_for_metric(
+            Matcher::Full("llm_worker_slot_wait_seconds".into()),
+            &WAIT_SECONDS,
+        )
+        .expect("non-empty buckets");
+    b.set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LLM_SECONDS)
+        .expect("non-empty buckets")
+}

@@ -306,7 +306,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         .await;
     if let Ok(redis::Value::Array(gs)) = groups {
         for g in gs {
-            let m = value_map(g);
+            let m = crate::queue::reply::flat_map(g);
             if m.get("name").map(String::as_str) == Some(cfg.queue.group.as_str()) {
                 group = json!({
                     "name": m.get("name"),
@@ -324,7 +324,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
             .await;
         if let Ok(redis::Value::Array(cs)) = cs {
             for x in cs {
-                let m = value_map(x);
+                let m = crate::queue::reply::flat_map(x);
                 consumers.push(json!({
                     "name": m.get("name"),
                     "pending": m.get("pending").and_then(|s| s.parse::<u64>().ok()),
@@ -456,28 +456,6 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         "key_check": key_check,
         "tenants": tenants,
     }))
-}
-
-fn value_map(v: redis::Value) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    let items = match v {
-        redis::Value::Array(a) => a,
-        redis::Value::Map(m) => m.into_iter().flat_map(|(k, v)| [k, v]).collect(),
-        _ => return out,
-    };
-    let s = |v: &redis::Value| match v {
-        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-        redis::Value::SimpleString(s) => s.clone(),
-        redis::Value::Int(i) => i.to_string(),
-        redis::Value::Nil => String::new(),
-        other => format!("{other:?}"),
-    };
-    for pair in items.chunks(2) {
-        if let [k, v] = pair {
-            out.insert(s(k), s(v));
-        }
-    }
-    out
 }
 
 /// Human-readable rendering of [`status`].

@@ -880,6 +880,48 @@ impl Queue {
         })
     }
 
+    /// The queue's gauges for /metrics (one pipeline: XLEN of the jobs and dead streams,
+    /// XINFO GROUPS): queue length, the group's lag and pending entries, dead letters.
+    /// A missing stream or group leaves its gauges as they were.
+    pub async fn sample_gauges(&self) -> Result<(), QueueError> {
+        let mut conn = self.conn.get().await?;
+        let (len, dead, groups): (u64, u64, redis::Value) = redis::pipe()
+            .cmd("XLEN")
+            .arg(&self.keys.jobs)
+            .cmd("XLEN")
+            .arg(&self.keys.dead)
+            .cmd("XINFO")
+            .arg("GROUPS")
+            .arg(&self.keys.jobs)
+            .query_async(&mut conn)
+            .await
+            .or_else(|e| {
+                // no stream yet: XINFO fails; the lengths are 0
+                if e.code() == Some("ERR") {
+                    Ok((0, 0, redis::Value::Nil))
+                } else {
+                    Err(e)
+                }
+            })?;
+        metrics::gauge!("llm_worker_queue_length").set(len as f64);
+        metrics::gauge!("llm_worker_dead_letters").set(dead as f64);
+        if let redis::Value::Array(gs) = groups {
+            for g in gs {
+                let m = reply::flat_map(g);
+                if m.get("name").map(String::as_str) != Some(self.group.as_str()) {
+                    continue;
+                }
+                if let Some(lag) = m.get("lag").and_then(|v| v.parse::<f64>().ok()) {
+                    metrics::gauge!("llm_worker_group_lag").set(lag);
+                }
+                if let Some(p) = m.get("pending").and_then(|v| v.parse::<f64>().ok()) {
+                    metrics::gauge!("llm_worker_group_pending").set(p);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Removes consumers that own no pending entry from the group (`lua/consumers.lua`):
     /// with `Some(idle)`, every other consumer idle at least that long (the reclaimer's
     /// sweep of stopped pods); with `None`, this worker's own consumer (a clean exit).

@@ -159,6 +159,31 @@ impl FromRedisValue for AutoClaimReply {
     }
 }
 
+/// The field/value pairs of an XINFO-style reply (an array of pairs, or a RESP3 map) as
+/// strings; values that are not scalars are left out.
+pub fn flat_map(v: redis::Value) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let items = match v {
+        redis::Value::Array(a) => a,
+        redis::Value::Map(m) => m.into_iter().flat_map(|(k, v)| [k, v]).collect(),
+        _ => return out,
+    };
+    let s = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        redis::Value::SimpleString(s) => Some(s.clone()),
+        redis::Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    };
+    for pair in items.chunks(2) {
+        if let [k, v] = pair
+            && let (Some(k), Some(v)) = (s(k), s(v))
+        {
+            out.insert(k, v);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -254,7 +254,7 @@ impl Worker {
                 tracing::warn!(
                     tried = %spent.tried.join(","),
                     attempts = spent.attempts,
-                    class,
+                    class = %class,
                     error = %provider::one_line(&e),
                     "job failed"
                 );

@@ -202,7 +202,7 @@ impl Worker {
                 ));
             }
         };
-        tracing::Span::current().record("id", job.id.as_str());
+        tracing::Span::current().record("id", tracing::field::display(&job.id));
         if job.keyed {
             // keepalive extends the id's in-progress marker (none for an id-less job)
             lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
@@ -551,8 +551,9 @@ impl Worker {
                         s.unknown_worst = s.unknown_worst.saturating_add(*w);
                     }
                     s.bill.add(&cand.model, outcome.usage, price);
-                    if let Some(u) = outcome.usage {
-                        call_metrics(&cand.model, &u, price);
+                    if let (Some(u), Some(m)) = (outcome.usage, self.model_metrics.get(&cand.model))
+                    {
+                        call_metrics(m, &u, price);
                     }
                     if outcome.usage.is_some()
                         && let Some(raw) = &outcome.raw_usage
@@ -573,8 +574,9 @@ impl Worker {
             };
             metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => label)
                 .increment(1);
-            metrics::histogram!("llm_worker_provider_call_seconds", "model" => cand.model.clone())
-                .record(call_started.elapsed().as_secs_f64());
+            if let Some(m) = self.model_metrics.get(&cand.model) {
+                m.call_seconds.record(call_started.elapsed().as_secs_f64());
+            }
             if outcome.result.is_ok() {
                 self.cooldowns.record(&cand.model, false);
             }
@@ -597,7 +599,7 @@ impl Worker {
                         Decision::Switch(_) => {
                             tracing::info!(
                                 model = %cand.model,
-                                class = class_label(&class),
+                                class = %class_label(&class),
                                 next = %plan.current().model,
                                 "model failed; falling back to the route's next model"
                             );
@@ -1165,7 +1167,12 @@ impl Drop for JobGuard {
         }
         lock(&w.active).remove(&self.entry_id);
         drop(lock(&w.permits).remove(&self.entry_id));
-        w.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let n = w
+            .state
+            .in_flight
+            .fetch_sub(1, Ordering::SeqCst)
+            .saturating_sub(1);
+        metrics::gauge!("llm_worker_jobs_in_flight").set(n as f64);
         if !self.ended {
             tracing::error!(entry = %self.entry_id, "job task ended abnormally (panic); its job stays pending and is reclaimed after queue.claim_idle_ms");
             metrics::counter!("llm_worker_job_panics_total").increment(1);
@@ -1183,20 +1190,15 @@ impl Drop for AbortOnDrop {
 }
 
 /// Per-model cost (pico-dollars, exact) and tokens of one billed call, for /metrics.
-fn call_metrics(model: &str, u: &crate::cost::Usage, price: &crate::cost::Price) {
-    let m = model.to_string();
+fn call_metrics(m: &ModelMetrics, u: &crate::cost::Usage, price: &crate::cost::Price) {
     if let Ok(c) = crate::cost::checked_cost(u, price)
         && let Some(p) = crate::cost::to_picos(c)
     {
-        metrics::counter!("llm_worker_cost_picodollars_total", "model" => m.clone())
-            .increment(p.max(0) as u64);
+        m.cost_picodollars.increment(p.max(0) as u64);
     }
-    metrics::counter!("llm_worker_tokens_total", "model" => m.clone(), "kind" => "input")
-        .increment(u.prompt_tokens);
-    metrics::counter!("llm_worker_tokens_total", "model" => m.clone(), "kind" => "output")
-        .increment(u.completion_tokens);
-    metrics::counter!("llm_worker_tokens_total", "model" => m, "kind" => "cached")
-        .increment(u.cached_tokens);
+    m.tokens_input.increment(u.prompt_tokens);
+    m.tokens_output.increment(u.completion_tokens);
+    m.tokens_cached.increment(u.cached_tokens);
 }
 
 pub(super) fn class_label(c: &ErrorClass) -> &'static str {

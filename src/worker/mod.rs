@@ -96,9 +96,35 @@ pub struct Worker {
     pub cooldowns: crate::cooldown::Cooldowns,
     /// Tenant places under `pools.<p>.max_per_tenant` (admit or park before a slot).
     tenants: crate::tenants::Tenants,
+    /// Per configured model, its /metrics handles (registered once: a call records
+    /// without building label strings).
+    model_metrics: HashMap<String, ModelMetrics>,
     /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
     /// takes no new jobs (each paused job pushes it on while it still waits).
     paused_until: Mutex<Option<Instant>>,
+}
+
+/// One model's /metrics handles.
+pub(crate) struct ModelMetrics {
+    pub(crate) cost_picodollars: metrics::Counter,
+    pub(crate) tokens_input: metrics::Counter,
+    pub(crate) tokens_output: metrics::Counter,
+    pub(crate) tokens_cached: metrics::Counter,
+    pub(crate) call_seconds: metrics::Histogram,
+}
+
+impl ModelMetrics {
+    fn new(model: &str) -> ModelMetrics {
+        let m = model.to_string();
+        let tokens = |kind: &'static str| metrics::counter!("llm_worker_tokens_total", "model" => m.clone(), "kind" => kind);
+        ModelMetrics {
+            cost_picodollars: metrics::counter!("llm_worker_cost_picodollars_total", "model" => m.clone()),
+            tokens_input: tokens("input"),
+            tokens_output: tokens("output"),
+            tokens_cached: tokens("cached"),
+            call_seconds: metrics::histogram!("llm_worker_provider_call_seconds", "model" => m.clone()),
+        }
+    }
 }
 
 /// The fleet-wide quota rooms a worker uses, built by the daemon.
@@ -125,6 +151,7 @@ impl Worker {
             tenants,
         } = quotas;
         let cfg_concurrency = cfg.worker.concurrency();
+        let cfg_models: Vec<String> = cfg.models.keys().cloned().collect();
         let mut providers = HashMap::new();
         for (name, p) in &cfg.providers {
             providers.insert(name.clone(), Arc::new(ProviderClient::new(name, p)?));
@@ -171,6 +198,10 @@ impl Worker {
             gate,
             cooldowns,
             tenants,
+            model_metrics: cfg_models
+                .iter()
+                .map(|m| (m.clone(), ModelMetrics::new(m)))
+                .collect(),
             paused_until: Mutex::new(None),
         })
     }

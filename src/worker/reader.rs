@@ -228,7 +228,8 @@ impl Worker {
     ) {
         lock(&self.active).insert(d.entry_id.clone(), String::new());
         lock(&self.permits).insert(d.entry_id.clone(), permit);
-        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
+        let n = self.state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        metrics::gauge!("llm_worker_jobs_in_flight").set(n as f64);
         let guard = JobGuard {
             worker: self.clone(),
             entry_id: d.entry_id.clone(),

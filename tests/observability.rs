@@ -1,0 +1,116 @@
+//! What operators see (issue 11): /metrics as Prometheus scrapes it from a running
+//! worker, and log lines as journald or a file receives them.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::{Fault, SimOptions};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(30);
+
+/// /metrics after a few jobs: latencies are histograms with LLM buckets (100 ms .. 5 min),
+/// cost and tokens per model, jobs in flight, queue length, group lag and pending, dead
+/// letters, Redis reconnects and build info are there; labels come from closed sets only
+/// (no job or entry id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_histograms_and_carry_cost_tokens_and_queue_gauges() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    let port = free_port();
+    tc.listen = format!("127.0.0.1:{port}");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    push(&mut conn, "llm", &jobs("m", 3)).await;
+    context(wait_len(&mut conn, "{llm}:results", 3, T).await, &[&w]).unwrap();
+    // The queue gauges are sampled every 5 s.
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let mut text = String::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(12);
+    while tokio::time::Instant::now() < deadline {
+        if let Ok(r) = reqwest::get(&url).await {
+            text = r.text().await.unwrap_or_default();
+            if text.contains("llm_worker_group_lag") {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let sampled = text.contains("llm_worker_group_lag");
+    stop_clean(&mut w, T).await;
+    assert!(sampled, "queue gauges sampled:\n{text}");
+    for name in [
+        "# TYPE llm_worker_provider_call_seconds histogram",
+        "# TYPE llm_worker_job_seconds histogram",
+        "llm_worker_provider_call_seconds_bucket{model=\"m1\",le=\"0.1\"}",
+        "llm_worker_provider_call_seconds_bucket{model=\"m1\",le=\"300\"}",
+        "llm_worker_cost_picodollars_total{model=\"m1\"}",
+        "llm_worker_tokens_total{model=\"m1\",kind=\"input\"}",
+        "llm_worker_tokens_total{model=\"m1\",kind=\"output\"}",
+        "llm_worker_tokens_total{model=\"m1\",kind=\"cached\"}",
+        "llm_worker_jobs_in_flight",
+        "llm_worker_queue_length",
+        "llm_worker_group_lag",
+        "llm_worker_group_pending",
+        "llm_worker_dead_letters",
+        "llm_worker_redis_reconnects_total",
+        "llm_worker_build_info{version=",
+        "# TYPE llm_worker_slot_wait_seconds histogram",
+        "llm_worker_slot_wait_seconds_bucket{pool=\"default\",le=\"0.001\"}",
+    ] {
+        assert!(text.contains(name), "{name} missing from /metrics:\n{text}");
+    }
+    assert!(!text.contains("quantile="), "no summaries:\n{text}");
+    for id in ["m-0", "m-1", "m-2"] {
+        assert!(!text.contains(id), "a job id in a label:\n{text}");
+    }
+}
+
+/// Logs to a file or journald: no ANSI colour codes; a failed job says which models were
+/// tried and the error class at the default level; every line of a job carries its
+/// entry id and job id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_off_a_terminal_are_plain_and_a_failed_job_says_what_was_tried() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![
+            always("m1", Fault::Status { status: 503 }),
+            always("m2", Fault::Status { status: 503 }),
+            always("m3", Fault::Status { status: 503 }),
+        ],
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // The default level (info), as an operator runs it.
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[("RUST_LOG", "info")]);
+    push(&mut conn, "llm", &[job("doomed", "hi")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w]).unwrap();
+    stop_clean(&mut w, T).await;
+    let log = w.log();
+    assert!(
+        !log.contains('\u{1b}'),
+        "ANSI escapes in a log file:\n{log}"
+    );
+    let failed = log
+        .lines()
+        .find(|l| l.contains("job failed"))
+        .unwrap_or_else(|| panic!("no `job failed` line at the default level:\n{log}"));
+    assert!(failed.contains("tried=m1,m2,m3"), "{failed}");
+    assert!(failed.contains("class=transient"), "{failed}");
+    assert!(
+        failed.contains("id=doomed") && failed.contains("entry="),
+        "{failed}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("falling back") && l.contains("id=doomed")),
+        "fallbacks logged at the default level:\n{log}"
+    );
+}
