@@ -139,10 +139,23 @@ pub async fn run(
         pools = ?cfg.pools.keys().map(|p| (p.clone(), slots.pool_size(p).unwrap_or(0))).collect::<Vec<_>>(),
         "worker started"
     );
+    // systemd: READY=1 once jobs are taken, STATUS= lines, the watchdog; STOPPING=1 at
+    // the first signal (all no-ops when not under systemd).
+    let notifier = crate::notify::spawn(worker.state.clone(), background.clone());
+    let stopping = {
+        let stop = shutdown.stop.clone();
+        let state = worker.state.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            let n = state.in_flight.load(std::sync::atomic::Ordering::SeqCst);
+            crate::notify::stopping(&format!("draining: {n} in flight"));
+        })
+    };
     worker
         .clone()
         .run(shutdown.stop.clone(), shutdown.abort.clone())
         .await;
+    crate::notify::status("drained; releasing slots");
 
     // Both bounded, run together so an unreachable Redis costs 1.5 s once, not twice.
     let release = async {
@@ -177,6 +190,8 @@ pub async fn run(
     let _ = tokio::time::timeout(Duration::from_millis(300), cooldown_task).await;
     let _ = tokio::time::timeout(Duration::from_millis(300), tenant_task).await;
     let _ = tokio::time::timeout(Duration::from_millis(300), sampler).await;
+    let _ = tokio::time::timeout(Duration::from_millis(300), notifier).await;
+    stopping.abort();
     if let Some(t) = server_task {
         let _ = tokio::time::timeout(Duration::from_millis(300), t).await;
     }

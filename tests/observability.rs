@@ -114,3 +114,75 @@ async fn logs_off_a_terminal_are_plain_and_a_failed_job_says_what_was_tried() {
         "fallbacks logged at the default level:\n{log}"
     );
 }
+
+/// systemd `Type=notify` (issue 11): with a `NOTIFY_SOCKET` of the test's own, READY=1
+/// arrives once the consumer group exists, WATCHDOG=1 pings arrive while the worker runs
+/// (`WATCHDOG_USEC` set, as `WatchdogSec` does), and STOPPING=1 arrives on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notify_socket_gets_ready_after_the_group_exists_watchdog_pings_and_stopping() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let sock_path = dir.path().join("notify.sock");
+    let sock = tokio::net::UnixDatagram::bind(&sock_path).unwrap();
+    let mut conn = redis.conn().await;
+    let env = [
+        ("NOTIFY_SOCKET", sock_path.to_str().unwrap()),
+        ("WATCHDOG_USEC", "1000000"),
+    ];
+    let mut w = WorkerProc::spawn(&cfg, "w1", &env);
+    let mut buf = vec![0u8; 4096];
+    let mut seen: Vec<String> = vec![];
+    let mut group_at_ready = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while tokio::time::Instant::now() < deadline {
+        let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(1), sock.recv(&mut buf)).await
+        else {
+            continue;
+        };
+        let msg = String::from_utf8_lossy(&buf[..n]).to_string();
+        if msg.lines().any(|l| l == "READY=1") && group_at_ready.is_none() {
+            let groups: redis::Value = redis::cmd("XINFO")
+                .arg("GROUPS")
+                .arg("{llm}:jobs")
+                .query_async(&mut conn)
+                .await
+                .unwrap_or(redis::Value::Nil);
+            group_at_ready = Some(matches!(groups, redis::Value::Array(ref g) if !g.is_empty()));
+        }
+        seen.push(msg);
+        if group_at_ready.is_some() && seen.iter().filter(|m| m.contains("WATCHDOG=1")).count() >= 2
+        {
+            break;
+        }
+    }
+    assert_eq!(
+        group_at_ready,
+        Some(true),
+        "READY=1 after the group exists: {seen:?}\n{}",
+        w.log()
+    );
+    assert!(
+        seen.iter().filter(|m| m.contains("WATCHDOG=1")).count() >= 2,
+        "watchdog pings: {seen:?}"
+    );
+    w.signal(libc_sig::TERM);
+    let mut stopping = false;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::time::Instant::now() < deadline && !stopping {
+        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(1), sock.recv(&mut buf)).await {
+            let msg = String::from_utf8_lossy(&buf[..n]).to_string();
+            stopping = msg.lines().any(|l| l == "STOPPING=1");
+            seen.push(msg);
+        }
+    }
+    let status = wait_exit(&mut w, Duration::from_secs(10)).await;
+    assert!(stopping, "STOPPING=1 on SIGTERM: {seen:?}");
+    assert!(
+        seen.iter().any(|m| m.contains("STATUS=draining")),
+        "a draining status line: {seen:?}"
+    );
+    assert_eq!(status.and_then(|s| s.code()), Some(0));
+}

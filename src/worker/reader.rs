@@ -74,9 +74,12 @@ impl Worker {
         let keeper = tokio::spawn(self.clone().keep_alive(keeper_stop.clone()));
         self.state.taking_jobs.store(true, Ordering::SeqCst);
         loop {
+            self.state.beat();
             let first = tokio::select! {
                 p = sem.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
                 _ = stop.cancelled() => break,
+                // Every job permit busy (long calls): still alive, for the watchdog.
+                _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
             };
             if stop.is_cancelled() {
                 break;
