@@ -70,6 +70,7 @@ pub async fn run(
             Err(e) => {
                 if !logged {
                     tracing::error!(error = %e, url = %crate::config::redact_url(&cfg.redis.url), "cannot reach Redis at start; retrying until it answers");
+                    crate::notify::status("waiting for Redis");
                     logged = true;
                 }
                 if shutdown.stop.is_cancelled() {
@@ -141,14 +142,21 @@ pub async fn run(
     );
     // systemd: READY=1 once jobs are taken, STATUS= lines, the watchdog; STOPPING=1 at
     // the first signal (all no-ops when not under systemd).
-    let notifier = crate::notify::spawn(worker.state.clone(), background.clone());
+    let notifier = crate::notify::spawn(
+        worker.state.clone(),
+        shutdown.stop.clone(),
+        background.clone(),
+        cfg.queue.block_ms + Duration::from_secs(2),
+    );
     let stopping = {
         let stop = shutdown.stop.clone();
         let state = worker.state.clone();
+        // The drain, the slot release and the exit: the grace plus 10 s.
+        let drain = cfg.worker.shutdown_grace_ms + Duration::from_secs(10);
         tokio::spawn(async move {
             stop.cancelled().await;
             let n = state.in_flight.load(std::sync::atomic::Ordering::SeqCst);
-            crate::notify::stopping(&format!("draining: {n} in flight"));
+            crate::notify::stopping(&format!("draining: {n} in flight"), drain);
         })
     };
     worker

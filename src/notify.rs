@@ -24,9 +24,16 @@ pub fn ready(status: &str) {
     send(&[NotifyState::Ready, NotifyState::Status(status)]);
 }
 
-/// `STOPPING=1` with a status line.
-pub fn stopping(status: &str) {
-    send(&[NotifyState::Stopping, NotifyState::Status(status)]);
+/// `STOPPING=1` with a status line, and `EXTEND_TIMEOUT_USEC` = `drain`: systemd waits
+/// that long for the exit from now, whatever the unit's `TimeoutStopSec` (so a grace raised
+/// in the config is never cut short by a unit written for the default).
+pub fn stopping(status: &str, drain: Duration) {
+    let usec = u32::try_from(drain.as_micros()).unwrap_or(u32::MAX);
+    send(&[
+        NotifyState::Stopping,
+        NotifyState::Status(status),
+        NotifyState::ExtendTimeoutUsec(usec),
+    ]);
 }
 
 /// A `STATUS=` line.
@@ -35,15 +42,31 @@ pub fn status(status: &str) {
 }
 
 /// Until `stop`: `READY=1` the first time the worker takes jobs, then every 5 s a
-/// `STATUS=` line (jobs in flight), and, when the unit sets `WatchdogSec`, `WATCHDOG=1`
-/// every half of it while the reader loop has beaten within that half (a reader that
-/// hangs stops the pings; systemd then restarts the service).
-pub fn spawn(state: Arc<WorkerState>, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+/// `STATUS=` line (jobs in flight) until `draining`, and, when the unit sets
+/// `WatchdogSec`, `WATCHDOG=1` every half of it while the reader loop has beaten within
+/// that half (a reader that hangs stops the pings; systemd then restarts the service).
+/// `longest_round`: the longest a healthy reader loop may take between beats (its
+/// blocking read plus its bound); a `WatchdogSec` under twice that is logged as too short.
+pub fn spawn(
+    state: Arc<WorkerState>,
+    draining: CancellationToken,
+    stop: CancellationToken,
+    longest_round: Duration,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         if std::env::var_os("NOTIFY_SOCKET").is_none() {
             return;
         }
         let watchdog = sd_notify::watchdog_enabled();
+        if let Some(w) = watchdog
+            && w < longest_round * 4
+        {
+            tracing::warn!(
+                watchdog_sec = w.as_secs_f64(),
+                at_least = (longest_round * 4).as_secs_f64(),
+                "WatchdogSec is shorter than four rounds of the reader loop (queue.block_ms + 2 s each): systemd may restart a healthy worker; raise it"
+            );
+        }
         let tick = watchdog
             .map(|w| (w / 2).max(Duration::from_millis(50)))
             .unwrap_or(Duration::from_secs(5))
@@ -60,7 +83,8 @@ pub fn spawn(state: Arc<WorkerState>, stop: CancellationToken) -> tokio::task::J
             {
                 send(&[NotifyState::Watchdog]);
             }
-            if ready && last_status.elapsed() >= Duration::from_secs(5) {
+            if ready && !draining.is_cancelled() && last_status.elapsed() >= Duration::from_secs(5)
+            {
                 last_status = tokio::time::Instant::now();
                 status(&format!("taking jobs; {} in flight", in_flight(&state)));
             }

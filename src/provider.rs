@@ -128,11 +128,12 @@ impl ProviderClient {
     /// Sends one request (the caller has passed [`ProviderClient::throttle`] and holds a
     /// slot). Dropping the future aborts the HTTP request.
     pub async fn call(&self, body: &Value, job_id: &str) -> Outcome {
-        let mut req = self
-            .http
-            .post(&self.url)
-            .header(JOB_HEADER, job_id)
-            .json(body);
+        let mut req = self.http.post(&self.url).json(body);
+        // A job id that is not a valid header value (a newline, say) is not sent: the call
+        // must not fail for the sake of a tracing header.
+        if let Ok(v) = reqwest::header::HeaderValue::from_str(job_id) {
+            req = req.header(JOB_HEADER, v);
+        }
         if let Some(key) = &self.api_key {
             req = req.bearer_auth(key.expose());
         }

@@ -51,6 +51,7 @@ async fn metrics_are_histograms_and_carry_cost_tokens_and_queue_gauges() {
         "llm_worker_tokens_total{model=\"m1\",kind=\"input\"}",
         "llm_worker_tokens_total{model=\"m1\",kind=\"output\"}",
         "llm_worker_tokens_total{model=\"m1\",kind=\"cached\"}",
+        "llm_worker_tokens_total{model=\"m1\",kind=\"cache_write\"}",
         "llm_worker_jobs_in_flight",
         "llm_worker_queue_length",
         "llm_worker_group_lag",
@@ -90,27 +91,47 @@ async fn logs_off_a_terminal_are_plain_and_a_failed_job_says_what_was_tried() {
     let mut conn = redis.conn().await;
     // The default level (info), as an operator runs it.
     let mut w = WorkerProc::spawn(&cfg, "w1", &[("RUST_LOG", "info")]);
-    push(&mut conn, "llm", &[job("doomed", "hi")]).await;
-    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w]).unwrap();
+    // A job id is producer text: one with a newline must not forge a log line.
+    push(
+        &mut conn,
+        "llm",
+        &[job("doomed", "hi"), job("x\nFORGED ERROR line", "hi")],
+    )
+    .await;
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w]).unwrap();
+    // That id is not a valid HTTP header value: the job still reaches the provider (it is
+    // answered 503 like the other, not failed before any call by the tracing header).
+    let results = entries(&mut conn, "{llm}:results").await;
+    let odd = results
+        .iter()
+        .find(|(_, r)| r["job_id"].starts_with("x\n"))
+        .map(|(_, r)| r.clone())
+        .unwrap_or_default();
+    assert!(odd["error"].contains("503"), "{odd:?}");
     stop_clean(&mut w, T).await;
     let log = w.log();
     assert!(
         !log.contains('\u{1b}'),
         "ANSI escapes in a log file:\n{log}"
     );
+    assert!(
+        log.lines()
+            .all(|l| l.starts_with("20") || l.starts_with(' ')),
+        "a line not written by the logger (a forged one?):\n{log}"
+    );
     let failed = log
         .lines()
-        .find(|l| l.contains("job failed"))
+        .find(|l| l.contains("job failed") && l.contains("doomed"))
         .unwrap_or_else(|| panic!("no `job failed` line at the default level:\n{log}"));
     assert!(failed.contains("tried=m1,m2,m3"), "{failed}");
     assert!(failed.contains("class=transient"), "{failed}");
     assert!(
-        failed.contains("id=doomed") && failed.contains("entry="),
+        failed.contains("id=\"doomed\"") && failed.contains("entry="),
         "{failed}"
     );
     assert!(
         log.lines()
-            .any(|l| l.contains("falling back") && l.contains("id=doomed")),
+            .any(|l| l.contains("falling back") && l.contains("id=\"doomed\"")),
         "fallbacks logged at the default level:\n{log}"
     );
 }

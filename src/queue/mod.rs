@@ -167,6 +167,23 @@ impl Keys {
     }
 }
 
+/// The group's lag for the gauge: Redis's `lag`, or, where Redis cannot tell (it answers
+/// nil once an entry between the last delivered and the stream's end was deleted, which
+/// `delete_acked` does all the time), the stream's length less the pending entries
+/// (with `delete_acked` the stream holds only those two kinds). `None`: unknown.
+pub fn lag_or_estimate(
+    lag: Option<u64>,
+    len: u64,
+    pending: Option<u64>,
+    delete_acked: bool,
+) -> Option<u64> {
+    match (lag, pending) {
+        (Some(l), _) => Some(l),
+        (None, Some(p)) if delete_acked => Some(len.saturating_sub(p)),
+        _ => None,
+    }
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -911,11 +928,13 @@ impl Queue {
                 if m.get("name").map(String::as_str) != Some(self.group.as_str()) {
                     continue;
                 }
-                if let Some(lag) = m.get("lag").and_then(|v| v.parse::<f64>().ok()) {
-                    metrics::gauge!("llm_worker_group_lag").set(lag);
+                let pending = m.get("pending").and_then(|v| v.parse::<u64>().ok());
+                let lag = m.get("lag").and_then(|v| v.parse::<u64>().ok());
+                if let Some(p) = pending {
+                    metrics::gauge!("llm_worker_group_pending").set(p as f64);
                 }
-                if let Some(p) = m.get("pending").and_then(|v| v.parse::<f64>().ok()) {
-                    metrics::gauge!("llm_worker_group_pending").set(p);
+                if let Some(lag) = lag_or_estimate(lag, len, pending, self.delete_acked) {
+                    metrics::gauge!("llm_worker_group_lag").set(lag as f64);
                 }
             }
         }
@@ -972,6 +991,17 @@ mod debug_hooks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lag_falls_back_to_length_less_pending_when_redis_cannot_tell() {
+        // Redis 7.0 answers lag nil after a deleted entry (delete_acked): the gauge must
+        // not freeze at its last value while a backlog grows.
+        assert_eq!(lag_or_estimate(Some(7), 100, Some(3), true), Some(7));
+        assert_eq!(lag_or_estimate(None, 10, Some(1), true), Some(9));
+        assert_eq!(lag_or_estimate(None, 0, Some(1), true), Some(0));
+        assert_eq!(lag_or_estimate(None, 10, Some(1), false), None);
+        assert_eq!(lag_or_estimate(None, 10, None, true), None);
+    }
 
     #[test]
     fn keys_share_the_hash_tag() {

@@ -202,7 +202,8 @@ impl Worker {
                 ));
             }
         };
-        tracing::Span::current().record("id", tracing::field::display(&job.id));
+        // Quoted and escaped (Debug): a job id is producer text and may hold newlines.
+        tracing::Span::current().record("id", job.id.as_str());
         if job.keyed {
             // keepalive extends the id's in-progress marker (none for an id-less job)
             lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
@@ -270,7 +271,14 @@ impl Worker {
                 "delivered {} times (queue.max_deliveries = {}): every worker that took it stopped before finishing",
                 d.deliveries, self.cfg.queue.max_deliveries
             );
-            tracing::error!(entry = %d.entry_id, job = %job.id, "poison job; dead-lettered");
+            let s = lock(spent);
+            tracing::error!(
+                tried = %s.tried.join(","),
+                attempts = s.attempts,
+                class = s.last_class.unwrap_or("dead"),
+                "poison job; dead-lettered"
+            );
+            drop(s);
             return Some(self.reject(
                 d,
                 Some(&job.id),
@@ -311,6 +319,10 @@ impl Worker {
             })
             .collect();
         if candidates.is_empty() {
+            tracing::warn!(
+                class = "invalid",
+                "no model to run on (every model of the route is unavailable); dead-lettered"
+            );
             return Some(self.reject(
                 d,
                 Some(&job.id),
@@ -1167,12 +1179,8 @@ impl Drop for JobGuard {
         }
         lock(&w.active).remove(&self.entry_id);
         drop(lock(&w.permits).remove(&self.entry_id));
-        let n = w
-            .state
-            .in_flight
-            .fetch_sub(1, Ordering::SeqCst)
-            .saturating_sub(1);
-        metrics::gauge!("llm_worker_jobs_in_flight").set(n as f64);
+        w.state.in_flight.fetch_sub(1, Ordering::SeqCst);
+        metrics::gauge!("llm_worker_jobs_in_flight").decrement(1.0);
         if !self.ended {
             tracing::error!(entry = %self.entry_id, "job task ended abnormally (panic); its job stays pending and is reclaimed after queue.claim_idle_ms");
             metrics::counter!("llm_worker_job_panics_total").increment(1);
@@ -1196,9 +1204,15 @@ fn call_metrics(m: &ModelMetrics, u: &crate::cost::Usage, price: &crate::cost::P
     {
         m.cost_picodollars.increment(p.max(0) as u64);
     }
-    m.tokens_input.increment(u.prompt_tokens);
+    // Each input token under one kind: the sum over kinds is prompt + completion.
+    let uncached = u
+        .prompt_tokens
+        .saturating_sub(u.cached_tokens)
+        .saturating_sub(u.cache_write_tokens);
+    m.tokens_input.increment(uncached);
     m.tokens_output.increment(u.completion_tokens);
     m.tokens_cached.increment(u.cached_tokens);
+    m.tokens_cache_write.increment(u.cache_write_tokens);
 }
 
 pub(super) fn class_label(c: &ErrorClass) -> &'static str {

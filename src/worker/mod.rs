@@ -110,6 +110,7 @@ pub(crate) struct ModelMetrics {
     pub(crate) tokens_input: metrics::Counter,
     pub(crate) tokens_output: metrics::Counter,
     pub(crate) tokens_cached: metrics::Counter,
+    pub(crate) tokens_cache_write: metrics::Counter,
     pub(crate) call_seconds: metrics::Histogram,
 }
 
@@ -122,6 +123,7 @@ impl ModelMetrics {
             tokens_input: tokens("input"),
             tokens_output: tokens("output"),
             tokens_cached: tokens("cached"),
+            tokens_cache_write: tokens("cache_write"),
             call_seconds: metrics::histogram!("llm_worker_provider_call_seconds", "model" => m.clone()),
         }
     }

@@ -65,6 +65,8 @@ impl Worker {
         let mut next_prune = tokio::time::Instant::now();
         let block = self.cfg.queue.block_ms;
         let mut conn = None;
+        // The reader's own connection, lost and made again, counts as a reconnect too.
+        let mut connected_once = false;
         let mut backoff = Backoff::redis();
         let claim_idle = self.cfg.queue.claim_idle_ms;
         let reclaim_every =
@@ -101,6 +103,10 @@ impl Worker {
             if conn.is_none() {
                 match self.connect_reader().await {
                     Ok((c, id)) => {
+                        if connected_once {
+                            metrics::counter!("llm_worker_redis_reconnects_total").increment(1);
+                        }
+                        connected_once = true;
                         reader_id.store(id, Ordering::SeqCst);
                         // The group exists and Redis answers: ready now, not after the
                         // first read's BLOCK.
@@ -231,8 +237,8 @@ impl Worker {
     ) {
         lock(&self.active).insert(d.entry_id.clone(), String::new());
         lock(&self.permits).insert(d.entry_id.clone(), permit);
-        let n = self.state.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-        metrics::gauge!("llm_worker_jobs_in_flight").set(n as f64);
+        self.state.in_flight.fetch_add(1, Ordering::SeqCst);
+        metrics::gauge!("llm_worker_jobs_in_flight").increment(1.0);
         let guard = JobGuard {
             worker: self.clone(),
             entry_id: d.entry_id.clone(),
@@ -242,7 +248,8 @@ impl Worker {
         let me = self.clone();
         let abort = abort.clone();
         // Every log line of the job carries its entry id, and its job id once parsed.
-        let span = tracing::info_span!("job", entry = %d.entry_id, id = tracing::field::Empty);
+        // At the ERROR level, so it is there for every line any log level lets through.
+        let span = tracing::error_span!("job", entry = %d.entry_id, id = tracing::field::Empty);
         tracker.spawn(tracing::Instrument::instrument(
             async move {
                 let mut guard = guard; // moved in whole: dropped with the task, whatever ends it
