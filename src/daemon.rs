@@ -28,6 +28,10 @@ pub enum DaemonError {
     Worker(#[from] WorkerError),
     #[error(transparent)]
     Connect(#[from] crate::connect::ConnectError),
+    #[error(
+        "redis.require_noeviction: Redis's maxmemory-policy is {0}, which evicts slot keys, pending jobs and idempotency markers when Redis is full; set `maxmemory-policy noeviction` on the server (or redis.require_noeviction = false to only warn)"
+    )]
+    Eviction(String),
     #[error("cannot listen on {addr} (fix server.listen)")]
     Listen {
         addr: String,
@@ -68,7 +72,11 @@ pub async fn run(
         match Slots::connect(&cfg, pool.clone()).await {
             Ok(s) => break Some(s),
             Err(e) => {
-                if !logged {
+                if !logged && e.to_string().contains("OOM") {
+                    tracing::error!(error = %e, "Redis is out of memory (maxmemory reached, noeviction): nothing can be written until memory is freed or maxmemory raised; retrying until it accepts writes");
+                    crate::notify::status("waiting for Redis: out of memory");
+                    logged = true;
+                } else if !logged {
                     tracing::error!(error = %e, url = %crate::config::redact_url(&cfg.redis.url), "cannot reach Redis at start; retrying until it answers");
                     crate::notify::status("waiting for Redis");
                     logged = true;
@@ -86,6 +94,10 @@ pub async fn run(
     };
     if logged {
         tracing::info!("Redis answers; starting");
+    }
+    if let Err(e) = check_eviction(&cfg, &pool).await {
+        background.cancel();
+        return Err(e);
     }
     record_key_check(&cfg, &pool).await;
     let slots_task = slots.spawn_background(background.clone());
@@ -205,6 +217,46 @@ pub async fn run(
     }
     tracing::info!("stopped cleanly");
     Ok(())
+}
+
+/// What Redis's `maxmemory-policy` means for the fleet, read at start. Anything but
+/// `noeviction` lets Redis evict slot keys (a quota breached), pending entries (a job
+/// lost) and idempotency markers (a job paid twice) when it is full: a loud warning, or
+/// with `redis.require_noeviction` a refusal (an error naming the setting: exit 2).
+/// Where `CONFIG GET` is not allowed (managed services), the warning says it could not
+/// be checked.
+pub async fn check_eviction(
+    cfg: &Config,
+    pool: &crate::connect::Commands,
+) -> Result<(), DaemonError> {
+    let read = async {
+        let mut c = pool.get().await.map_err(|e| e.to_string())?;
+        redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async::<Vec<String>>(&mut c)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let policy = match tokio::time::timeout(Duration::from_secs(2), read).await {
+        Ok(Ok(v)) => v.get(1).cloned(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not read Redis's maxmemory-policy (CONFIG GET not allowed?): make sure it is noeviction, or a full Redis may evict slot keys, pending jobs and idempotency markers");
+            return Ok(());
+        }
+        Err(_) => return Ok(()),
+    };
+    match policy.as_deref() {
+        Some("noeviction") | None => Ok(()),
+        Some(p) if cfg.redis.require_noeviction => Err(DaemonError::Eviction(p.to_string())),
+        Some(p) => {
+            tracing::warn!(
+                policy = p,
+                "Redis maxmemory-policy is not noeviction: when Redis is full it may evict slot keys (the fleet then exceeds its quota), pending jobs (lost) and idempotency markers (a job paid twice); set `maxmemory-policy noeviction` (or redis.require_noeviction = true to refuse to start)"
+            );
+            Ok(())
+        }
+    }
 }
 
 /// Records what this worker's key check found (`cfg.key_check`) in `{ns}:keycheck`

@@ -211,7 +211,14 @@ async fn real_main(
                     return Ok(ExitCode::from(2));
                 }
             }
-            daemon::run(cfg, shutdown, listener, Some(prom), None).await?;
+            match daemon::run(cfg, shutdown, listener, Some(prom), None).await {
+                Err(e @ daemon::DaemonError::Eviction(_)) => {
+                    tracing::error!(error = %e, "stopping: Redis may evict the worker's keys");
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
+                r => r?,
+            }
             Ok(ExitCode::SUCCESS)
         }
         Some(Cmd::Enqueue(a)) => {

@@ -440,8 +440,19 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
             "parked": parked,
         }));
     }
+    // Anything but noeviction lets a full Redis evict slot keys, pending jobs, markers.
+    let policy: Result<Vec<String>, _> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(&mut c)
+        .await;
+    let maxmemory_policy = match policy {
+        Ok(v) => v.get(1).cloned().unwrap_or_else(|| "unknown".into()),
+        Err(_) => "unknown (CONFIG GET not allowed)".into(),
+    };
     Ok(json!({
         "redis": crate::config::redact_url(&cfg.redis.url),
+        "maxmemory_policy": maxmemory_policy,
         "stream": keys.jobs,
         "jobs_in_stream": jobs_len,
         "group": group,
@@ -461,6 +472,13 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
 /// Human-readable rendering of [`status`].
 pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
     writeln!(out, "redis           {}", v["redis"].as_str().unwrap_or(""))?;
+    let policy = v["maxmemory_policy"].as_str().unwrap_or("unknown");
+    if policy != "noeviction" {
+        writeln!(
+            out,
+            "WARNING         maxmemory-policy is {policy}: a full Redis may evict slot keys, pending jobs and idempotency markers (set noeviction)"
+        )?;
+    }
     writeln!(
         out,
         "stream          {}  ({} entries)",

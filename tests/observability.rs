@@ -207,3 +207,70 @@ async fn notify_socket_gets_ready_after_the_group_exists_watchdog_pings_and_stop
     );
     assert_eq!(status.and_then(|s| s.code()), Some(0));
 }
+
+/// Eviction (issue 11): a Redis whose `maxmemory-policy` may evict keys is a loud warning
+/// at start (jobs still run), or, with `redis.require_noeviction = true`, a refusal with
+/// exit 2 naming the setting; a Redis that is full at start is logged as out of memory,
+/// not as unreachable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_or_full_redis_is_named_at_start() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    // Refused when required.
+    let out = run_bin_async(
+        &["--config", cfg.to_str().unwrap(), "run"],
+        &[("LLM_WORKER__REDIS__REQUIRE_NOEVICTION", "true")],
+        T,
+    )
+    .await;
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(
+        out.stderr.contains("redis.require_noeviction") && out.stderr.contains("allkeys-lru"),
+        "{}",
+        out.all()
+    );
+    // Warned, and jobs still run, otherwise.
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    push(&mut conn, "llm", &[job("e1", "hi")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w]).unwrap();
+    stop_clean(&mut w, T).await;
+    assert!(
+        w.log().contains("maxmemory-policy is not noeviction"),
+        "{}",
+        w.log()
+    );
+    let st = run_bin_async(&["--config", cfg.to_str().unwrap(), "status"], &[], T).await;
+    assert!(
+        st.stdout.contains("maxmemory-policy is allkeys-lru"),
+        "{}",
+        st.all()
+    );
+    // Full at start: "out of memory", not "cannot reach Redis".
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("noeviction")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    set_maxmemory(&mut conn, 1).await;
+    let mut full = WorkerProc::spawn(&cfg, "w2", &[]);
+    let said = wait_log(&full, "Redis is out of memory", Duration::from_secs(10)).await;
+    set_maxmemory(&mut conn, 0).await;
+    let log = full.log();
+    stop_clean(&mut full, T).await;
+    assert!(said, "{log}");
+    assert!(!log.contains("cannot reach Redis"), "{log}");
+}

@@ -28,6 +28,9 @@ pub struct RedisConfig {
     /// `slots.ttl_ms`, at most 1000 ms (filled in by validation).
     #[serde(with = "super::duration_ms")]
     pub command_timeout_ms: Duration,
+    /// Refuse to start (exit 2) unless Redis's `maxmemory-policy` is `noeviction`; off =
+    /// a loud warning only (see `daemon::check_eviction`).
+    pub require_noeviction: bool,
     /// Filled by validation: from `password_env` when that variable is set and
     /// non-empty, else the password that was in `url`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
@@ -244,6 +247,7 @@ impl Default for RedisConfig {
             password_env: "REDIS_PASSWORD".into(),
             tls_ca_file: String::new(),
             command_timeout_ms: Duration::ZERO,
+            require_noeviction: false,
             password: None,
         }
     }
