@@ -19,7 +19,7 @@
 use crate::config::{BudgetConfig, Config, OnExhausted};
 use crate::cost::{self, civil_from_days, days_from_civil};
 use rust_decimal::Decimal;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Why no reservation was made.
 #[derive(Debug, thiserror::Error)]
@@ -155,7 +155,7 @@ impl Budgets {
         tenant: Option<&str>,
         worst: Decimal,
     ) -> Result<Option<BudgetAsk>, BudgetError> {
-        let windows = windows(&self.cfg, model, tenant, now_ms());
+        let windows = windows(&self.cfg, model, tenant, cost::unix_now_ms());
         if windows.is_empty() {
             return Ok(None);
         }
@@ -200,7 +200,7 @@ pub async fn report(
     cfg: &Config,
     c: &mut redis::aio::MultiplexedConnection,
 ) -> Result<Vec<WindowReport>, redis::RedisError> {
-    let now = now_ms();
+    let now = cost::unix_now_ms();
     let mut out = vec![];
     for (name, b) in &cfg.budgets {
         for (period, limit, _) in periods(b, now) {
@@ -285,12 +285,6 @@ fn exhausted(
         never_fits,
         covers_all,
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn key_prefix(ns: &str, name: &str) -> String {

@@ -167,6 +167,13 @@ pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// Wall-clock unix ms (the clock the UTC spend and budget windows are named by).
+pub fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// The UTC day and month of `now_ms` as the spend windows name them: `d:YYYY-MM-DD`,
 /// `m:YYYY-MM` (the budgets' window names too).
 pub fn spend_periods(now_ms: u64) -> [String; 2] {

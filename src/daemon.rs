@@ -266,10 +266,7 @@ async fn record_key_check(cfg: &Config, pool: &crate::connect::Commands) {
     if cfg.key_check.is_empty() {
         return;
     }
-    let at_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
+    let at_ms = crate::cost::unix_now_ms();
     let mut cmd = redis::cmd("HSET");
     cmd.arg(crate::queue::Keys::new(&cfg.queue.namespace).key_check());
     for (provider, found) in &cfg.key_check {

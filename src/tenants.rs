@@ -162,41 +162,27 @@ impl Tenants {
     pub fn spawn_background(&self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let renewer = {
-                let me = me.clone();
-                let stop = stop.clone();
-                async move {
-                    if !me.any() {
-                        return;
-                    }
-                    let mut tick = tokio::time::interval(me.inner.ttl / 3);
-                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                    loop {
-                        tokio::select! {
-                            _ = stop.cancelled() => return,
-                            _ = tick.tick() => {}
-                        }
-                        if let Err(e) = me.renew().await {
-                            tracing::warn!(error = %e, "renewing tenant places failed; retrying next tick");
-                        }
-                    }
+            // Renewals only where this worker can hold places; the sweep always (parked
+            // jobs of a pool with no cap here are moved back).
+            let renewer = async {
+                if me.any() {
+                    every(me.inner.ttl / 3, &stop, || me.renew_logged()).await;
                 }
             };
-            let sweeper = async move {
-                let mut tick = tokio::time::interval(SWEEP);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tick.tick() => {}
-                    }
-                    if let Err(e) = me.sweep().await {
-                        tracing::debug!(error = %e, "tenant sweep failed; retrying next second");
-                    }
-                }
-            };
-            tokio::join!(renewer, sweeper);
+            tokio::join!(renewer, every(SWEEP, &stop, || me.sweep_logged()));
         })
+    }
+
+    async fn renew_logged(&self) {
+        if let Err(e) = self.renew().await {
+            tracing::warn!(error = %e, "renewing tenant places failed; retrying next tick");
+        }
+    }
+
+    async fn sweep_logged(&self) {
+        if let Err(e) = self.sweep().await {
+            tracing::debug!(error = %e, "tenant sweep failed; retrying next second");
+        }
     }
 
     /// The stall gap of the holder clock: half the ttl (as the slots' lease clock).
@@ -286,16 +272,7 @@ impl Tenants {
         let Some((pool, tenant)) = field.split_once(':') else {
             return;
         };
-        let (inner, pool, tenant) = (self.inner.clone(), pool.to_string(), tenant.to_string());
-        let member = format!("u:{entry_id}");
-        if let Ok(h) = tokio::runtime::Handle::try_current() {
-            let tracker = self.inner.releases.clone();
-            h.spawn(tracker.track_future(async move {
-                if let Err(e) = release(&inner, &pool, &tenant, &member).await {
-                    tracing::debug!(error = %e, "giving a kept tenant place back failed; it lapses when its entry is gone");
-                }
-            }));
-        }
+        spawn_release(&self.inner, pool, tenant, format!("u:{entry_id}"), &[0]);
     }
 
     /// Gives back every place this process still holds (shutdown), after the detached
@@ -399,27 +376,54 @@ impl Drop for TenantLease {
                 }
             }
         }
-        let (inner, pool, tenant, member) = (
-            self.inner.clone(),
-            std::mem::take(&mut self.pool),
-            std::mem::take(&mut self.tenant),
-            std::mem::take(&mut self.member),
+        let member = std::mem::take(&mut self.member);
+        // Retried briefly: a lost release only costs the place until its expiry.
+        spawn_release(
+            &self.inner,
+            &self.pool,
+            &self.tenant,
+            member,
+            &[0, 200, 1000],
         );
-        if let Ok(h) = tokio::runtime::Handle::try_current() {
-            let tracker = self.inner.releases.clone();
-            h.spawn(tracker.track_future(async move {
-                // Retried briefly: a lost release only costs the place until its expiry.
-                for wait in [0u64, 200, 1000] {
-                    tokio::time::sleep(Duration::from_millis(wait)).await;
-                    match release(&inner, &pool, &tenant, &member).await {
-                        Ok(_) => return,
-                        Err(e) => tracing::debug!(error = %e, "giving a tenant place back failed; retrying"),
-                    }
-                }
-                tracing::warn!(pool = %pool, "giving a tenant place back failed; it frees itself at its expiry (slots.ttl_ms)");
-            }));
-        }
     }
+}
+
+/// Runs `f` every `period` (the first at once) until `stop`.
+async fn every<F, Fut>(period: Duration, stop: &CancellationToken, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(period.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        f().await;
+    }
+}
+
+/// Gives `member`'s place back in a detached task, tracked for the exit: one try after
+/// each of `waits_ms` (0 = at once) until Redis answers.
+fn spawn_release(inner: &Arc<Inner>, pool: &str, tenant: &str, member: String, waits_ms: &[u64]) {
+    let Ok(h) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let (inner, pool, tenant) = (inner.clone(), pool.to_string(), tenant.to_string());
+    let waits = waits_ms.to_vec();
+    let tracker = inner.releases.clone();
+    h.spawn(tracker.track_future(async move {
+        for wait in waits {
+            tokio::time::sleep(Duration::from_millis(wait)).await;
+            match release(&inner, &pool, &tenant, &member).await {
+                Ok(_) => return,
+                Err(e) => tracing::debug!(error = %e, "giving a tenant place back failed"),
+            }
+        }
+        tracing::warn!(pool = %pool, "giving a tenant place back failed; it frees itself at its expiry (a kept one once its entry is gone)");
+    }));
 }
 
 #[cfg(test)]

@@ -393,11 +393,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         .map(|(what, ms, why)| json!({"what": what, "ms_left": ms, "reason": why}))
         .collect();
     // Spend per model in the UTC day and month (written with each commit).
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    let [day, month] = cost::spend_periods(now_ms);
+    let [day, month] = cost::spend_periods(cost::unix_now_ms());
     let mut spend = serde_json::Map::new();
     for (label, period) in [("today", &day), ("this_month", &month)] {
         let by_model: BTreeMap<String, i64> =

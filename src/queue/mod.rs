@@ -184,13 +184,6 @@ pub fn lag_or_estimate(
     }
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 /// Where a job asks for a place under its tenant's cap ([`Queue::admit_tenant`]).
 #[derive(Debug, Clone)]
 pub struct TenantPlace<'a> {
@@ -540,7 +533,7 @@ impl Queue {
             .key(inflight_key)
             .key(self.keys.handed_back(&c.entry_id))
             .key(self.keys.dropped());
-        let [day, month] = crate::cost::spend_periods(now_ms());
+        let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
         inv.key(self.keys.spend(&day))
             .key(self.keys.spend(&month))
             .arg(&self.group)

@@ -19,21 +19,30 @@ pub(super) struct Bill {
 }
 
 impl Bill {
-    pub(super) fn add(&mut self, model: &str, usage: Option<Usage>, price: &Price) {
+    /// Adds one call; returns its cost when it reported usage that could be priced
+    /// (`None`: no usage, or usage too implausible to price, which is billed as 0).
+    pub(super) fn add(
+        &mut self,
+        model: &str,
+        usage: Option<Usage>,
+        price: &Price,
+    ) -> Option<Decimal> {
         let entry = self.per_model.entry(model.to_string()).or_default();
         entry.2 += 1;
-        if let Some(u) = usage {
-            // Never a panic: an uncomputable cost (implausible usage) is reported, counted 0.
-            let c = cost::checked_cost(&u, price).unwrap_or_else(|e| {
+        let u = usage?;
+        // Never a panic: an uncomputable cost (implausible usage) is reported, counted 0.
+        let priced = cost::checked_cost(&u, price)
+            .map_err(|e| {
                 tracing::error!(model = %model, error = %e, "cannot price a call");
                 self.warnings.push(format!("{model}: {e}"));
-                Decimal::ZERO
-            });
-            self.usage.add(&u);
-            self.cost = self.cost.saturating_add(c);
-            entry.0.add(&u);
-            entry.1 = entry.1.saturating_add(c);
-        }
+            })
+            .ok();
+        let c = priced.unwrap_or(Decimal::ZERO);
+        self.usage.add(&u);
+        self.cost = self.cost.saturating_add(c);
+        entry.0.add(&u);
+        entry.1 = entry.1.saturating_add(c);
+        priced
     }
 
     pub(super) fn usage_missing(&mut self, model: &str) {

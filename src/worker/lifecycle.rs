@@ -539,6 +539,8 @@ impl Worker {
             {
                 let mut s = lock(spent);
                 if let Some(price) = self.prices.get(&cand.model) {
+                    // Priced once: the bill, the budgets and /metrics use the same figure.
+                    let priced = s.bill.add(&cand.model, outcome.usage, price);
                     if let Some(t) = ticket {
                         // The call's real cost replaces its worst case in the budgets. A
                         // success without usage may have been billed anything up to the
@@ -547,7 +549,7 @@ impl Worker {
                         // same way: the provider may bill it. Its tokens correct the
                         // estimate the rate limits admitted.
                         let real = match outcome.usage {
-                            Some(u) => crate::cost::checked_cost(&u, price).ok(),
+                            Some(_) => priced,
                             None if outcome.cost_unknown() => None,
                             None => Some(rust_decimal::Decimal::ZERO),
                         };
@@ -562,10 +564,9 @@ impl Worker {
                         // Its cap counts it at its worst case too.
                         s.unknown_worst = s.unknown_worst.saturating_add(*w);
                     }
-                    s.bill.add(&cand.model, outcome.usage, price);
                     if let (Some(u), Some(m)) = (outcome.usage, self.model_metrics.get(&cand.model))
                     {
-                        call_metrics(m, &u, price);
+                        call_metrics(m, &u, priced);
                     }
                     if outcome.usage.is_some()
                         && let Some(raw) = &outcome.raw_usage
@@ -1197,11 +1198,10 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Per-model cost (pico-dollars, exact) and tokens of one billed call, for /metrics.
-fn call_metrics(m: &ModelMetrics, u: &crate::cost::Usage, price: &crate::cost::Price) {
-    if let Ok(c) = crate::cost::checked_cost(u, price)
-        && let Some(p) = crate::cost::to_picos(c)
-    {
+/// Per-model cost (pico-dollars, exact; `priced` as the bill priced it) and tokens of one
+/// billed call, for /metrics.
+fn call_metrics(m: &ModelMetrics, u: &crate::cost::Usage, priced: Option<rust_decimal::Decimal>) {
+    if let Some(p) = priced.and_then(crate::cost::to_picos) {
         m.cost_picodollars.increment(p.max(0) as u64);
     }
     // Each input token under one kind: the sum over kinds is prompt + completion.
