@@ -23,7 +23,8 @@ pub enum ConnectError {
 from_cause!(ConnectError, ConnectError::Redis, redis::RedisError);
 
 /// Connection info from config: `redis.url`, with `redis.password` (filled by validation
-/// from `redis.password_env`, else from the URL) if any.
+/// from `redis.password_env`, `redis.password_file` or the URL) and `redis.username` if
+/// any.
 pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
     let info = cfg
         .redis
@@ -31,13 +32,14 @@ pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
         .as_str()
         .into_connection_info()
         .map_err(|e| ConnectError::Url(e.to_string()))?;
-    let info = match &cfg.redis.password {
-        Some(pw) => {
-            let settings = info.redis_settings().clone().set_password(pw.expose());
-            info.set_redis_settings(settings)
-        }
-        None => info,
-    };
+    let mut settings = info.redis_settings().clone();
+    if let Some(pw) = &cfg.redis.password {
+        settings = settings.set_password(pw.expose());
+    }
+    if !cfg.redis.username.is_empty() {
+        settings = settings.set_username(&cfg.redis.username);
+    }
+    let info = info.set_redis_settings(settings);
     if cfg.redis.tls_ca_file.is_empty() {
         return Ok(info);
     }
@@ -221,6 +223,15 @@ impl redis::aio::ConnectionLike for CommandConn {
     fn get_db(&self) -> i64 {
         self.conn.get_db()
     }
+}
+
+/// Whether an error's text says Redis refused this client's credentials (`WRONGPASS`,
+/// `NOAUTH`, redis-rs's "authentication failed") or a command to its ACL user
+/// (`NOPERM`): a config problem no retry can fix, unlike a Redis that is away.
+pub fn refused_access(msg: &str) -> bool {
+    ["WRONGPASS", "NOAUTH", "NOPERM", "authentication failed"]
+        .iter()
+        .any(|m| msg.contains(m))
 }
 
 /// Every key matching `pattern` (SCAN, 1000 at a time; a key may show up twice if the

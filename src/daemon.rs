@@ -32,6 +32,11 @@ pub enum DaemonError {
         "redis.require_noeviction: Redis's maxmemory-policy is {0}, which evicts slot keys, pending jobs and idempotency markers when Redis is full; set `maxmemory-policy noeviction` on the server (or redis.require_noeviction = false to only warn)"
     )]
     Eviction(String),
+    /// Redis refused the credentials or a command to this user: no retry can help.
+    #[error(
+        "Redis refused access ({0}): check redis.username and the password (redis.password_env, redis.password_file or the url), and that the ACL user may run EVALSHA, XREADGROUP and the other commands README lists"
+    )]
+    Access(String),
     #[error("cannot listen on {addr} (fix server.listen)")]
     Listen {
         addr: String,
@@ -72,6 +77,10 @@ pub async fn run(
         match Slots::connect(&cfg, pool.clone()).await {
             Ok(s) => break Some(s),
             Err(e) => {
+                if crate::connect::refused_access(&e.to_string()) {
+                    background.cancel();
+                    return Err(DaemonError::Access(e.to_string()));
+                }
                 if !logged && e.to_string().contains("OOM") {
                     tracing::error!(error = %e, "Redis is out of memory (maxmemory reached, noeviction): nothing can be written until memory is freed or maxmemory raised; retrying until it accepts writes");
                     crate::notify::status("waiting for Redis: out of memory");

@@ -217,6 +217,11 @@ async fn real_main(
                     eprintln!("error: {e}");
                     return Ok(ExitCode::from(2));
                 }
+                Err(e @ daemon::DaemonError::Access(_)) => {
+                    tracing::error!(error = %e, "stopping: Redis refused the worker's credentials");
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
                 r => r?,
             }
             Ok(ExitCode::SUCCESS)

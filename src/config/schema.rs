@@ -18,6 +18,14 @@ pub struct RedisConfig {
     pub url: String,
     /// Environment variable holding the Redis password (used when set and non-empty).
     pub password_env: String,
+    /// File holding the Redis password (one line; a trailing newline is dropped), e.g. a
+    /// systemd credential (`$CREDENTIALS_DIRECTORY/redis-password`) or a mounted
+    /// Kubernetes Secret. Used when `password_env` gives none; an unreadable or empty
+    /// file is a config error. Empty = none.
+    pub password_file: String,
+    /// Redis ACL user (`AUTH <user> <password>`). Empty = the user in `url`
+    /// (`redis://USER@host`), else `default`.
+    pub username: String,
     /// PEM file of the CA that signed the server's certificate, for `rediss://` with a
     /// private CA. Empty = the public web roots.
     pub tls_ca_file: String,
@@ -32,7 +40,7 @@ pub struct RedisConfig {
     /// a loud warning only (see `daemon::check_eviction`).
     pub require_noeviction: bool,
     /// Filled by validation: from `password_env` when that variable is set and
-    /// non-empty, else the password that was in `url`.
+    /// non-empty, else from `password_file`, else the password that was in `url`.
     #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
     pub password: Option<Secret>,
 }
@@ -245,6 +253,8 @@ impl Default for RedisConfig {
         RedisConfig {
             url: "redis://127.0.0.1:6379".into(),
             password_env: "REDIS_PASSWORD".into(),
+            password_file: String::new(),
+            username: String::new(),
             tls_ca_file: String::new(),
             command_timeout_ms: Duration::ZERO,
             require_noeviction: false,

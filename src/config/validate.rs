@@ -109,7 +109,32 @@ impl Config {
             && !pw.is_empty()
         {
             self.redis.password = Some(Secret::new(pw.clone()));
+        } else if !self.redis.password_file.is_empty() {
+            // Read here, once: a file that cannot be read is a config error at start, not
+            // an AUTH failure on every reconnect. The error names the file, never its text.
+            let text = std::fs::read_to_string(&self.redis.password_file).map_err(|e| {
+                ConfigError::invalid(
+                    "redis.password_file",
+                    format!("cannot read {:?}: {e}", self.redis.password_file),
+                )
+            })?;
+            let pw = text.strip_suffix('\n').unwrap_or(&text);
+            let pw = pw.strip_suffix('\r').unwrap_or(pw);
+            require(
+                !pw.is_empty() && !pw.contains('\n'),
+                "redis.password_file",
+                format!(
+                    "{:?} must hold the password on one line",
+                    self.redis.password_file
+                ),
+            )?;
+            self.redis.password = Some(Secret::new(pw.to_string()));
         }
+        require(
+            !self.redis.username.chars().any(|c| c.is_whitespace()),
+            "redis.username",
+            "must not contain whitespace",
+        )?;
         Ok(())
     }
 

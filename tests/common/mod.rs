@@ -35,6 +35,8 @@ pub struct RedisServer {
     child: Option<Child>,
     aof: bool,
     tcp: bool,
+    /// More redis-server arguments (an ACL user, `--replicaof`), kept across restarts.
+    args: Vec<String>,
 }
 
 impl RedisServer {
@@ -58,13 +60,24 @@ impl RedisServer {
         Self::start_with(aof, true)
     }
 
+    /// A TCP server started with more arguments, e.g. `["--user", "w", "on", ">pw",
+    /// "~*", "+@all"]` or `["--replicaof", "127.0.0.1", "6380"]`.
+    pub fn start_tcp_args(args: &[&str]) -> RedisServer {
+        Self::start_full(false, true, args)
+    }
+
     fn start_with(aof: bool, tcp: bool) -> RedisServer {
+        Self::start_full(aof, tcp, &[])
+    }
+
+    fn start_full(aof: bool, tcp: bool, args: &[&str]) -> RedisServer {
         let mut r = RedisServer {
             port: if tcp { free_port() } else { 0 },
             dir: tempfile::tempdir().expect("tempdir"),
             child: None,
             aof,
             tcp,
+            args: args.iter().map(|a| a.to_string()).collect(),
         };
         r.spawn();
         r
@@ -105,6 +118,7 @@ impl RedisServer {
             .args(["--appendfsync", "everysec"])
             .arg("--dir")
             .arg(self.dir.path())
+            .args(&self.args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -142,6 +156,11 @@ impl RedisServer {
         } else {
             format!("unix://{}", self.socket_path().display())
         }
+    }
+
+    /// The redis-server's pid (for SIGSTOP and friends).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
     }
 
     pub fn kill(&mut self) {
@@ -232,6 +251,8 @@ impl Drop for SimHandle {
 /// values of tables already present).
 pub struct TestConfig {
     pub redis_url: String,
+    /// Lines added to `[redis]` (e.g. `password_file = "..."`).
+    pub redis_extra: String,
     pub sim: SocketAddr,
     pub namespace: String,
     pub slots: u32,
@@ -259,6 +280,7 @@ impl TestConfig {
             r#"
 [redis]
 url = "{redis}"
+{redis_extra}
 
 [queue]
 namespace = "{ns}"
@@ -325,6 +347,7 @@ max_retry_after_ms = 2000
 {extra}
 "#,
             redis = self.redis_url,
+            redis_extra = self.redis_extra,
             ns = self.namespace,
             conc = self.concurrency,
             grace = self.grace_ms,
@@ -344,6 +367,7 @@ max_retry_after_ms = 2000
     pub fn with_urls(redis_url: &str, sim: SocketAddr) -> TestConfig {
         TestConfig {
             redis_url: redis_url.to_string(),
+            redis_extra: String::new(),
             sim,
             namespace: "llm".into(),
             slots: 4,
