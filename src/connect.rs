@@ -1,6 +1,7 @@
 //! Redis connection setup, shared by every room that talks to Redis: the URL (already
 //! checked and split at config load), the password from its `Secret`, TLS with a private
-//! CA, the command pool and the blocking reader's own connection.
+//! CA, the command pool and the blocking reader's own connection, and the master's
+//! address through Sentinel (`redis.sentinel_master`), asked again at every connect.
 //!
 //! Invariant: knows no jobs and no slots; nothing here logs or formats a password.
 
@@ -18,6 +19,8 @@ pub enum ConnectError {
     Url(String),
     #[error("redis did not answer within {0:?} (retry when Redis answers again)")]
     Timeout(Duration),
+    #[error("redis sentinel: {0} (retry: the Sentinels may be electing a new master)")]
+    Sentinel(String),
 }
 
 from_cause!(ConnectError, ConnectError::Redis, redis::RedisError);
@@ -26,10 +29,12 @@ from_cause!(ConnectError, ConnectError::Redis, redis::RedisError);
 /// from `redis.password_env`, `redis.password_file` or the URL) and `redis.username` if
 /// any.
 pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
-    let info = cfg
-        .redis
-        .url
-        .as_str()
+    info_for_url(cfg, &cfg.redis.url)
+}
+
+/// [`connection_info`] for `url` in place of `redis.url` (same password, user and CA).
+fn info_for_url(cfg: &Config, url: &str) -> Result<ConnectionInfo, ConnectError> {
+    let info = url
         .into_connection_info()
         .map_err(|e| ConnectError::Url(e.to_string()))?;
     let mut settings = info.redis_settings().clone();
@@ -61,12 +66,95 @@ pub fn connection_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
     Ok(client.get_connection_info().clone())
 }
 
+/// The master's connection info: [`connection_info`], or with `redis.sentinel_master`
+/// the address the Sentinels of `redis.urls` give for it now (asked in order, the first
+/// that knows it wins), with `redis.url`'s scheme, user, password and db.
+///
+/// Asked at every (re)connect, never cached: after a failover the next connection goes
+/// to the new master.
+pub async fn master_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
+    if cfg.redis.sentinel_master.is_empty() {
+        return connection_info(cfg);
+    }
+    let mut last = String::from("no Sentinel answered");
+    for sentinel in &cfg.redis.urls {
+        match ask_sentinel(cfg, sentinel).await {
+            Ok(Some((host, port))) => {
+                let mut url = url::Url::parse(&cfg.redis.url)
+                    .map_err(|e| ConnectError::Url(format!("redis.url: {e}")))?;
+                url.set_host(Some(&host))
+                    .and_then(|_| {
+                        url.set_port(Some(port))
+                            .map_err(|_| url::ParseError::InvalidPort)
+                    })
+                    .map_err(|e| ConnectError::Url(format!("master address {host}:{port}: {e}")))?;
+                return info_for_url(cfg, url.as_str());
+            }
+            Ok(None) => {
+                last = format!(
+                    "Sentinel {} does not know master {:?}",
+                    crate::config::redact_url(sentinel),
+                    cfg.redis.sentinel_master
+                )
+            }
+            Err(e) => last = format!("Sentinel {}: {e}", crate::config::redact_url(sentinel)),
+        }
+    }
+    Err(ConnectError::Sentinel(last))
+}
+
+/// `SENTINEL get-master-addr-by-name` on one Sentinel, bounded by 2 s.
+async fn ask_sentinel(cfg: &Config, sentinel: &str) -> Result<Option<(String, u16)>, ConnectError> {
+    let mut info = sentinel
+        .into_connection_info()
+        .map_err(|e| ConnectError::Url(e.to_string()))?;
+    if let Some(pw) = &cfg.redis.sentinel_password {
+        let settings = info.redis_settings().clone().set_password(pw.expose());
+        info = info.set_redis_settings(settings);
+    }
+    let client = redis::Client::open(info)?;
+    let conn_cfg = AsyncConnectionConfig::new()
+        .set_response_timeout(Some(Duration::from_secs(2)))
+        .set_connection_timeout(Some(Duration::from_secs(2)));
+    let asked = async {
+        let mut c = client
+            .get_multiplexed_async_connection_with_config(&conn_cfg)
+            .await?;
+        redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(&cfg.redis.sentinel_master)
+            .query_async::<Option<(String, u16)>>(&mut c)
+            .await
+    };
+    match tokio::time::timeout(Duration::from_secs(3), asked).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(ConnectError::Timeout(Duration::from_secs(3))),
+    }
+}
+
+/// With Sentinel: a connection must be to a master (`ROLE`), since a Sentinel's answer can
+/// lag a failover and a demoted master still answers reads. Without Sentinel: no check.
+async fn check_master(cfg: &Config, c: &mut MultiplexedConnection) -> Result<(), ConnectError> {
+    if cfg.redis.sentinel_master.is_empty() {
+        return Ok(());
+    }
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(c).await?;
+    match role.first() {
+        Some(redis::Value::BulkString(b)) if b.as_slice() == b"master" => Ok(()),
+        _ => Err(ConnectError::Sentinel(
+            "the address the Sentinels gave is not a master (a failover is under way)".into(),
+        )),
+    }
+}
+
 /// The shared connection for ordinary (non-blocking) commands (see [`Commands`]).
 pub fn commands(cfg: &Config) -> Result<Commands, ConnectError> {
-    Ok(Commands::new(
-        command_pool(cfg, 4)?,
-        cfg.redis.command_timeout_ms,
-    ))
+    let source = if cfg.redis.sentinel_master.is_empty() {
+        Source::Pool(command_pool(cfg, 4)?)
+    } else {
+        Source::Sentinel(std::sync::Arc::new(cfg.clone()))
+    };
+    Ok(Commands::new(source, cfg.redis.command_timeout_ms))
 }
 
 /// A pool for ordinary (non-blocking) commands.
@@ -89,13 +177,28 @@ pub fn command_pool(cfg: &Config, size: usize) -> Result<deadpool_redis::Pool, C
 /// timeout (redis 1.x's default 500 ms would cut a BLOCK short), and nothing else queued
 /// behind it. Callers bound each blocking call themselves.
 pub async fn blocking_connection(cfg: &Config) -> Result<MultiplexedConnection, ConnectError> {
-    let client = redis::Client::open(connection_info(cfg)?)?;
+    master_connection(cfg, None).await
+}
+
+/// A fresh connection to the master (through the Sentinels when configured), with
+/// `timeout` on each reply (None = none, for blocking commands). Bounded by 3 s.
+pub async fn master_connection(
+    cfg: &Config,
+    timeout: Option<Duration>,
+) -> Result<MultiplexedConnection, ConnectError> {
+    let client = redis::Client::open(master_info(cfg).await?)?;
     let conn_cfg = AsyncConnectionConfig::new()
-        .set_response_timeout(None)
+        .set_response_timeout(timeout)
         .set_connection_timeout(Some(Duration::from_secs(2)));
-    let fut = client.get_multiplexed_async_connection_with_config(&conn_cfg);
+    let fut = async {
+        let mut c = client
+            .get_multiplexed_async_connection_with_config(&conn_cfg)
+            .await?;
+        check_master(cfg, &mut c).await?;
+        Ok::<_, ConnectError>(c)
+    };
     match tokio::time::timeout(Duration::from_secs(3), fut).await {
-        Ok(r) => Ok(r?),
+        Ok(r) => r,
         Err(_) => Err(ConnectError::Timeout(Duration::from_secs(3))),
     }
 }
@@ -115,28 +218,32 @@ pub struct Commands {
     inner: std::sync::Arc<CommandsInner>,
 }
 
+/// Where [`Commands`] takes a fresh connection from.
+pub enum Source {
+    /// A fixed address: the deadpool-redis pool.
+    Pool(deadpool_redis::Pool),
+    /// `redis.sentinel_master`: asked of the Sentinels at every connect (a pool's fixed
+    /// address would keep going to a demoted master after a failover).
+    Sentinel(std::sync::Arc<Config>),
+}
+
 struct CommandsInner {
-    pool: deadpool_redis::Pool,
+    source: Source,
     timeout: Duration,
     /// The connection in use and its generation (bumped each time one is dropped).
     current: std::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
 }
 
 impl Commands {
-    /// Commands on connections from `pool`, each command bounded by `timeout`.
-    pub fn new(pool: deadpool_redis::Pool, timeout: Duration) -> Commands {
+    /// Commands on connections from `source`, each command bounded by `timeout`.
+    pub fn new(source: Source, timeout: Duration) -> Commands {
         Commands {
             inner: std::sync::Arc::new(CommandsInner {
-                pool,
+                source,
                 timeout,
                 current: std::sync::Mutex::new((0, None)),
             }),
         }
-    }
-
-    /// The pool behind it (tools and tests that want a connection of their own).
-    pub fn pool(&self) -> &deadpool_redis::Pool {
-        &self.inner.pool
     }
 
     /// The shared connection (a cheap clone), connecting first if there is none.
@@ -151,8 +258,23 @@ impl Commands {
                 });
             }
         }
-        let mut fresh = deadpool_redis::Connection::take(self.inner.pool.get().await?);
-        fresh.set_response_timeout(self.inner.timeout);
+        let fresh = match &self.inner.source {
+            Source::Pool(pool) => {
+                let mut c = deadpool_redis::Connection::take(pool.get().await?);
+                c.set_response_timeout(self.inner.timeout);
+                c
+            }
+            Source::Sentinel(cfg) => master_connection(cfg, Some(self.inner.timeout))
+                .await
+                .map_err(|e| match e {
+                    ConnectError::Redis(e) => deadpool_redis::PoolError::Backend(e),
+                    other => deadpool_redis::PoolError::Backend(redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "cannot connect to the master",
+                        other.to_string(),
+                    ))),
+                })?,
+        };
         let mut cur = crate::sync::lock(&self.inner.current);
         // Another task may have connected meanwhile: keep one connection.
         let conn = cur.1.get_or_insert(fresh).clone();
@@ -188,8 +310,13 @@ pub struct CommandConn {
 
 impl CommandConn {
     fn check<T>(&self, r: redis::RedisResult<T>) -> redis::RedisResult<T> {
+        // READONLY: the master was demoted under this connection (a failover); a fresh
+        // connection asks the Sentinels again.
         if let Err(e) = &r
-            && (e.is_timeout() || e.is_io_error() || e.is_connection_dropped())
+            && (e.is_timeout()
+                || e.is_io_error()
+                || e.is_connection_dropped()
+                || e.code() == Some("READONLY"))
         {
             self.owner.discard(self.generation);
         }

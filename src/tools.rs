@@ -4,7 +4,7 @@
 //! Invariant: nothing printed here contains a secret (URLs are redacted).
 
 use crate::config::Config;
-use crate::connect::{ConnectError, blocking_connection, connection_info};
+use crate::connect::{ConnectError, blocking_connection, master_connection};
 use crate::cost;
 use crate::job;
 use crate::queue::{
@@ -35,16 +35,14 @@ from_cause!(ToolError, ToolError::Redis, redis::RedisError);
 from_cause!(ToolError, ToolError::Io, std::io::Error);
 
 async fn conn(cfg: &Config) -> Result<redis::aio::MultiplexedConnection, ToolError> {
-    let client = redis::Client::open(connection_info(cfg)?)?;
-    let c = tokio::time::timeout(
-        Duration::from_secs(3),
-        client.get_multiplexed_async_connection(),
-    )
-    .await
-    .map_err(|_| {
-        ToolError::Input("Redis did not answer within 3 s (is it running at redis.url?)".into())
-    })??;
-    Ok(c)
+    master_connection(cfg, Some(Duration::from_secs(5)))
+        .await
+        .map_err(|e| match e {
+            ConnectError::Timeout(_) => ToolError::Input(
+                "Redis did not answer within 3 s (is it running at redis.url?)".into(),
+            ),
+            e => e.into(),
+        })
 }
 
 /// What `enqueue` pushes: payload objects, validated like the worker validates them.

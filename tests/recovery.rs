@@ -918,3 +918,59 @@ async fn job_deleted_while_pending_is_acknowledged_and_logged() -> anyhow::Resul
     stop_clean(&mut w, Duration::from_secs(10)).await;
     Ok(())
 }
+
+/// A commit Redis acknowledged and then lost (a Sentinel failover promoting a replica
+/// that had not received it yet, or a restart from an older snapshot) leaves the entry
+/// pending under this worker's own consumer, with no result. The worker remembers it
+/// as finished, but that memory only guards the race of a reclaim with a commit in
+/// flight: well after the finish, the entry is run again, so the job still gets its one
+/// result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_lost_by_redis_is_run_again_by_the_same_worker() -> anyhow::Result<()> {
+    let mut redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 1500,
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "lost.toml");
+    let mut w = WorkerProc::spawn(
+        &cfg,
+        "lost",
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")],
+    );
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job("lost-1", "hello")]).await;
+    assert!(
+        in_flight_at_least(&sim, 1, Duration::from_secs(10)).await,
+        "the call never started\n{}",
+        w.log()
+    );
+    // The snapshot holds the entry pending (read, call in flight) and no result.
+    let _: () = redis::cmd("SAVE").query_async(&mut conn).await?;
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(10)).await,
+        &[&w],
+    )?;
+    // Redis dies and comes back from the snapshot: the commit is gone.
+    tokio::task::block_in_place(|| {
+        redis.kill();
+        redis.restart();
+    });
+    let mut conn = redis.conn().await;
+    assert_eq!(
+        xlen(&mut conn, "{llm}:results").await,
+        0,
+        "snapshot restored"
+    );
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 1);
+    stop_clean(&mut w, Duration::from_secs(15)).await;
+    Ok(())
+}

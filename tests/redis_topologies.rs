@@ -6,6 +6,7 @@ mod common;
 
 use common::*;
 use llm_worker::sim::SimOptions;
+use std::collections::HashMap;
 use std::time::Duration;
 
 const ACL_PASSWORD: &str = "acl-Pw-7f3e9c1d-never-logged";
@@ -171,5 +172,231 @@ async fn wrong_credentials_stop_the_worker_with_exit_2_naming_the_keys() -> anyh
     .await;
     assert_eq!(out.code, Some(2), "{}", out.all());
     assert!(out.all().contains("redis.password_file"), "{}", out.all());
+    Ok(())
+}
+
+/// A Sentinel (`redis-server sentinel.conf --sentinel`) on a free loopback port,
+/// monitoring `mymaster` with quorum 1 and a 1 s down-after.
+struct Sentinel {
+    port: u16,
+    _dir: tempfile::TempDir,
+    child: std::process::Child,
+}
+
+impl Sentinel {
+    #[allow(clippy::disallowed_methods)] // a synchronous start, polled with thread sleeps
+    fn start(master_port: u16) -> Sentinel {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor mymaster 127.0.0.1 {master_port} 1\n\
+                 sentinel down-after-milliseconds mymaster 1000\n\
+                 sentinel failover-timeout mymaster 10000\n",
+                dir = dir.path().display()
+            ),
+        )
+        .expect("write sentinel.conf");
+        let child = std::process::Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server --sentinel");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "sentinel did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Sentinel {
+            port,
+            _dir: dir,
+            child,
+        }
+    }
+
+    async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(format!("redis://127.0.0.1:{}", self.port))
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to sentinel")
+    }
+
+    async fn master_port(&self) -> Option<u16> {
+        let mut c = self.conn().await;
+        let addr: Option<(String, u16)> = redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg("mymaster")
+            .query_async(&mut c)
+            .await
+            .ok()?;
+        addr.map(|(_, p)| p)
+    }
+
+    /// Whether the Sentinel knows one healthy replica (flags exactly "slave", link ok):
+    /// only then will SENTINEL FAILOVER pick it.
+    async fn replica_ready(&self) -> bool {
+        let mut c = self.conn().await;
+        let replicas: Vec<HashMap<String, String>> = match redis::cmd("SENTINEL")
+            .arg("replicas")
+            .arg("mymaster")
+            .query_async(&mut c)
+            .await
+        {
+            Ok(r) => r,
+            Err(_) => return false,
+        };
+        replicas.iter().any(|r| {
+            r.get("flags").map(String::as_str) == Some("slave")
+                && r.get("master-link-status").map(String::as_str) == Some("ok")
+        })
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn tcp_conn(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect")
+}
+
+/// One master, one replica, one Sentinel, two workers that find the master through the
+/// Sentinel (their `redis.url` names a port nothing listens on). Jobs flow; then
+/// SENTINEL FAILOVER promotes the replica while calls are in flight; more jobs are
+/// pushed to the new master. Every job ends with exactly one `ok` result on the new
+/// master, the workers follow it without a restart, and stop with no slot key left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_loses_no_job_and_duplicates_no_result() -> anyhow::Result<()> {
+    const BEFORE: usize = 60;
+    const AFTER: usize = 40;
+    let master = RedisServer::start_tcp();
+    let replica_port = master.port().to_string();
+    let replica = RedisServer::start_tcp_args(&["--replicaof", "127.0.0.1", &replica_port]);
+    let sentinel = Sentinel::start(master.port());
+    assert!(
+        wait_for(Duration::from_secs(20), || sentinel.replica_ready()).await,
+        "the Sentinel never saw a healthy replica"
+    );
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 100,
+        ..SimOptions::default()
+    })
+    .await;
+    let dir = tempfile::tempdir()?;
+    // Nothing listens on url's port: the master can only be found through the Sentinel.
+    let mut tc = TestConfig::with_urls(&format!("redis://127.0.0.1:{}", free_port()), sim.addr);
+    tc.redis_extra = format!(
+        "urls = [\"redis://127.0.0.1:{}\"]\nsentinel_master = \"mymaster\"",
+        sentinel.port
+    );
+    tc.slots = 4;
+    let cfg = tc.write(dir.path(), "sentinel.toml");
+    let mut w1 = WorkerProc::spawn(
+        &cfg,
+        "sent-w1",
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")],
+    );
+    let mut w2 = WorkerProc::spawn(
+        &cfg,
+        "sent-w2",
+        &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "1000")],
+    );
+
+    let mut old = tcp_conn(master.port()).await;
+    push(&mut old, "llm", &jobs("before", BEFORE)).await;
+    context(
+        wait_len(&mut old, "{llm}:results", 10, Duration::from_secs(30)).await,
+        &[&w1, &w2],
+    )?;
+    // The pushes reached the replica before the failover (a producer's own writes lost
+    // in a failover are the producer's to retry, not the worker's).
+    let offset: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(5000)
+        .query_async(&mut old)
+        .await?;
+    assert_eq!(offset, 1, "the replica acknowledged the pushes");
+
+    let done_at_failover = xlen(&mut old, "{llm}:results").await;
+    assert!(
+        (done_at_failover as usize) < BEFORE,
+        "jobs still running when the failover starts"
+    );
+    let mut s = sentinel.conn().await;
+    let _: () = redis::cmd("SENTINEL")
+        .arg("FAILOVER")
+        .arg("mymaster")
+        .query_async(&mut s)
+        .await?;
+    assert!(
+        wait_for(Duration::from_secs(20), || async {
+            sentinel.master_port().await == Some(replica.port())
+        })
+        .await,
+        "the Sentinel did not promote the replica"
+    );
+    let mut new = tcp_conn(replica.port()).await;
+    assert!(
+        wait_for(Duration::from_secs(10), || async {
+            let role: Vec<redis::Value> = redis::cmd("ROLE")
+                .query_async(&mut tcp_conn(replica.port()).await)
+                .await
+                .unwrap_or_default();
+            matches!(role.first(), Some(redis::Value::BulkString(b)) if b.as_slice() == b"master")
+        })
+        .await,
+        "the replica never became a master"
+    );
+    push(&mut new, "llm", &jobs("after", AFTER)).await;
+    let all = BEFORE + AFTER;
+    context(
+        wait_len(
+            &mut new,
+            "{llm}:results",
+            all as u64,
+            Duration::from_secs(60),
+        )
+        .await,
+        &[&w1, &w2],
+    )?;
+    // Settled: nothing more arrives (a duplicate would come from a second run).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let results = entries(&mut new, "{llm}:results").await;
+    assert_all_ok_once(&results, all);
+    for w in [&mut w1, &mut w2] {
+        stop_clean(w, Duration::from_secs(15)).await;
+    }
+    assert!(
+        slot_keys(&mut new, "llm").await.is_empty(),
+        "slot keys left on the new master"
+    );
+    for w in [&w1, &w2] {
+        let log = w.log();
+        assert!(!log.contains("panicked"), "{log}");
+    }
+    // The workers followed the failover without a restart.
+    for w in [&w1, &w2] {
+        assert!(
+            w.log().matches("Redis reachable; taking jobs").count() >= 2,
+            "reconnected after the failover: {}",
+            w.log()
+        );
+    }
     Ok(())
 }

@@ -50,11 +50,15 @@ pub(super) fn build(
     // other value (a URL, say) stays as written. The config crate lowercases env keys
     // before comparing, hence the lowercase here.
     let route_prefix = format!("{ENV_OVERRIDE_PREFIX}ROUTES__");
-    let route_keys: Vec<String> = overrides
+    let mut route_keys: Vec<String> = overrides
         .keys()
         .filter_map(|k| k.strip_prefix(&route_prefix))
         .map(|name| format!("routes.{}", name.to_lowercase()))
         .collect();
+    // `redis.urls` (Sentinels, cluster seeds) is a list too: `LLM_WORKER__REDIS__URLS=a,b`.
+    if overrides.contains_key(&format!("{ENV_OVERRIDE_PREFIX}REDIS__URLS")) {
+        route_keys.push("redis.urls".into());
+    }
     if !route_keys.is_empty() {
         environment = environment.list_separator(",");
         for key in &route_keys {

@@ -26,6 +26,22 @@ pub struct RedisConfig {
     /// Redis ACL user (`AUTH <user> <password>`). Empty = the user in `url`
     /// (`redis://USER@host`), else `default`.
     pub username: String,
+    /// True: `url` (and `urls`) are seed nodes of a Redis Cluster.
+    pub cluster: bool,
+    /// More seed nodes (with `cluster`), or the Sentinels (with `sentinel_master`), as
+    /// `redis://host:port` URLs without a password.
+    pub urls: Vec<String>,
+    /// Non-empty: the master of this name is found through the Sentinels in `urls`
+    /// (`SENTINEL get-master-addr-by-name`), again at every reconnect, so a failover is
+    /// followed. `url` then gives only the scheme (TLS), user, password and db of the
+    /// master; its host and port are not used.
+    pub sentinel_master: String,
+    /// Environment variable holding the Sentinels' own password (`requirepass` in
+    /// sentinel.conf). Empty or unset = the Sentinels need none.
+    pub sentinel_password_env: String,
+    /// Filled by validation from `sentinel_password_env`.
+    #[serde(skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub sentinel_password: Option<Secret>,
     /// PEM file of the CA that signed the server's certificate, for `rediss://` with a
     /// private CA. Empty = the public web roots.
     pub tls_ca_file: String,
@@ -255,6 +271,11 @@ impl Default for RedisConfig {
             password_env: "REDIS_PASSWORD".into(),
             password_file: String::new(),
             username: String::new(),
+            cluster: false,
+            urls: vec![],
+            sentinel_master: String::new(),
+            sentinel_password_env: String::new(),
+            sentinel_password: None,
             tls_ca_file: String::new(),
             command_timeout_ms: Duration::ZERO,
             require_noeviction: false,

@@ -748,3 +748,70 @@ fn worker_threads_defaults_to_one_and_is_bounded() {
     assert_eq!(key, "worker.threads", "{message}");
     assert!(message.contains("is 5000"), "{message}");
 }
+
+/// The demo config with `lines` added to `[redis]`.
+fn demo_redis(lines: &str) -> Result<Config, ConfigError> {
+    demo_with(
+        "password_env = \"REDIS_PASSWORD\"     # used when set and non-empty",
+        &format!("password_env = \"REDIS_PASSWORD\"\n{lines}"),
+    )
+}
+
+#[test]
+fn config_redis_topology_keys_name_what_is_wrong() {
+    let c = demo_redis("sentinel_master = \"mymaster\"\nurls = [\"redis://127.0.0.1:26379\"]")
+        .expect("sentinel");
+    assert_eq!(c.redis.urls.len(), 1);
+    for (lines, want_key) in [
+        ("sentinel_master = \"m\"", "redis.urls"),
+        ("urls = [\"redis://127.0.0.1:26379\"]", "redis.urls"),
+        (
+            "sentinel_master = \"m\"\nurls = [\"redis://:pw@127.0.0.1:26379\"]",
+            "redis.urls[0]",
+        ),
+        (
+            "sentinel_master = \"m\"\nurls = [\"unix:///tmp/s.sock\"]",
+            "redis.urls[0]",
+        ),
+        ("cluster = true", "redis.cluster"),
+        ("username = \"a b\"", "redis.username"),
+        (
+            "password_file = \"/nonexistent/llm-worker-pw\"",
+            "redis.password_file",
+        ),
+    ] {
+        let (key, message) = err_key(demo_redis(lines));
+        assert_eq!(key, want_key, "{lines}: {message}");
+    }
+}
+
+#[test]
+fn config_redis_password_file_is_read_once_and_never_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("pw");
+    std::fs::write(&f, "file-secret-93a1\n").unwrap();
+    let c = demo_redis(&format!("password_file = \"{}\"", f.display())).expect("file");
+    assert_eq!(
+        c.redis.password.as_ref().map(Secret::expose),
+        Some("file-secret-93a1")
+    );
+    assert!(!c.redacted_toml().contains("file-secret-93a1"));
+    // The environment variable wins over the file.
+    let text = DEMO.replacen(
+        "password_env = \"REDIS_PASSWORD\"     # used when set and non-empty",
+        &format!(
+            "password_env = \"REDIS_PASSWORD\"\npassword_file = \"{}\"",
+            f.display()
+        ),
+        1,
+    );
+    let c = Config::from_toml_str(&text, &env(&[("REDIS_PASSWORD", "env-pw")])).unwrap();
+    assert_eq!(
+        c.redis.password.as_ref().map(Secret::expose),
+        Some("env-pw")
+    );
+    // A file of two lines is not a password.
+    std::fs::write(&f, "a\nb\n").unwrap();
+    let (key, _) = err_key(demo_redis(&format!("password_file = \"{}\"", f.display())));
+    assert_eq!(key, "redis.password_file");
+}

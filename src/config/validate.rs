@@ -135,6 +135,66 @@ impl Config {
             "redis.username",
             "must not contain whitespace",
         )?;
+        self.validate_redis_topology(env)
+    }
+
+    /// `redis.urls`, `redis.sentinel_master`, `redis.cluster`: each URL parses and holds
+    /// no password (it would be printed; the Sentinels' password comes from
+    /// `redis.sentinel_password_env`), and the combination names one topology.
+    fn validate_redis_topology(
+        &mut self,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<(), ConfigError> {
+        let r = &mut self.redis;
+        for (i, u) in r.urls.iter().enumerate() {
+            let key = format!("redis.urls[{i}]");
+            let split = split_redis_url(u).map_err(|m| ConfigError::invalid(&key, m))?;
+            require(
+                split.password.is_none(),
+                &key,
+                "must not hold a password (use redis.sentinel_password_env for the Sentinels; the master's password is redis.password_env / password_file)",
+            )?;
+            require(
+                u.starts_with("redis://") || u.starts_with("rediss://"),
+                &key,
+                "must be redis://host:port or rediss://host:port",
+            )?;
+        }
+        if !r.sentinel_master.is_empty() {
+            require(
+                !r.urls.is_empty(),
+                "redis.urls",
+                "must list the Sentinels (redis://host:26379) when redis.sentinel_master is set",
+            )?;
+            require(
+                !r.cluster,
+                "redis.cluster",
+                "cannot be true with redis.sentinel_master (a Sentinel-managed Redis is not a cluster)",
+            )?;
+            require(
+                !r.url.starts_with("unix") && !r.url.starts_with("redis+unix"),
+                "redis.url",
+                "must be redis:// or rediss:// with redis.sentinel_master (it gives the master's TLS, user and db)",
+            )?;
+        } else if !r.urls.is_empty() && !r.cluster {
+            return Err(ConfigError::invalid(
+                "redis.urls",
+                "is only used with redis.sentinel_master (Sentinels) or redis.cluster = true (seed nodes)",
+            ));
+        }
+        if r.cluster {
+            return Err(ConfigError::invalid(
+                "redis.cluster",
+                "Redis Cluster is not supported yet: run one Redis (or Sentinel) per namespace; see README, Redis topologies",
+            ));
+        }
+        r.sentinel_password = None;
+        if !r.sentinel_password_env.is_empty()
+            && let Some(pw) = env.get(&r.sentinel_password_env)
+            && !pw.is_empty()
+        {
+            r.sentinel_password = Some(Secret::new(pw.clone()));
+        }
         Ok(())
     }
 

@@ -39,8 +39,9 @@ use crate::provider::{self, ProviderClient};
 use crate::queue::Queue;
 use crate::router::RetryPolicy;
 use crate::slots::Slots;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -67,8 +68,12 @@ pub struct Worker {
     /// never keeps alive an entry nobody works on, and no second task starts on it.
     active: Mutex<HashMap<String, String>>,
     /// Entries whose task ended settled (committed, or found committed elsewhere), the
-    /// last [`RECENTLY_FINISHED`] of them: a reclaim racing that commit may still return
-    /// one, and it must not start again.
+    /// last [`RECENTLY_FINISHED`] of them, with when: a reclaim racing that commit may
+    /// still return one, and it must not start again. Only for `queue.claim_idle_ms`
+    /// after the finish: a reclaim cannot race a commit for longer (its XAUTOCLAIM reply
+    /// is bounded by the command timeout), so an entry reclaimed later is one whose commit
+    /// Redis lost (a failover to a replica that had not received it, a restart from an
+    /// older snapshot) and must run again.
     finished: Mutex<Recent>,
     /// The job permit of each running task, by entry id. A copy of a busy job id gives
     /// its permit back while it waits (`wait_for_busy_id`); the guard drops the rest.
@@ -212,16 +217,17 @@ impl Worker {
 /// How many settled entries a worker remembers (see `Worker::finished`).
 pub const RECENTLY_FINISHED: usize = 4096;
 
-/// The last [`RECENTLY_FINISHED`] entry ids inserted, oldest dropped first.
+/// The last [`RECENTLY_FINISHED`] entry ids inserted and when, oldest dropped first.
 #[derive(Default)]
 struct Recent {
     order: VecDeque<String>,
-    set: HashSet<String>,
+    set: HashMap<String, tokio::time::Instant>,
 }
 
 impl Recent {
     fn insert(&mut self, entry: String) {
-        if self.set.contains(&entry) {
+        if let Some(at) = self.set.get_mut(&entry) {
+            *at = tokio::time::Instant::now();
             return;
         }
         if self.order.len() >= RECENTLY_FINISHED
@@ -229,12 +235,13 @@ impl Recent {
         {
             self.set.remove(&old);
         }
-        self.set.insert(entry.clone());
+        self.set.insert(entry.clone(), tokio::time::Instant::now());
         self.order.push_back(entry);
     }
 
-    fn contains(&self, entry: &str) -> bool {
-        self.set.contains(entry)
+    /// Whether `entry` finished here less than `within` ago.
+    fn contains(&self, entry: &str, within: Duration) -> bool {
+        self.set.get(entry).is_some_and(|at| at.elapsed() < within)
     }
 }
 
@@ -251,8 +258,11 @@ mod tests {
         r.insert(format!("{}-0", RECENTLY_FINISHED + 9));
         assert_eq!(r.order.len(), RECENTLY_FINISHED);
         assert_eq!(r.set.len(), RECENTLY_FINISHED);
-        assert!(!r.contains("9-0"));
-        assert!(r.contains("10-0"));
-        assert!(r.contains(&format!("{}-0", RECENTLY_FINISHED + 9)));
+        let long = Duration::from_secs(3600);
+        assert!(!r.contains("9-0", long));
+        assert!(r.contains("10-0", long));
+        assert!(r.contains(&format!("{}-0", RECENTLY_FINISHED + 9), long));
+        // Past the window, a remembered entry no longer counts as finished here.
+        assert!(!r.contains("10-0", Duration::ZERO));
     }
 }

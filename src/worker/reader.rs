@@ -264,7 +264,8 @@ impl Worker {
     /// leaves `active`, and this reads them in the opposite order, so an entry moving
     /// from one to the other is always seen in one of them).
     pub(super) fn is_active_or_finished(&self, entry_id: &str) -> bool {
-        lock(&self.active).contains_key(entry_id) || lock(&self.finished).contains(entry_id)
+        lock(&self.active).contains_key(entry_id)
+            || lock(&self.finished).contains(entry_id, self.cfg.queue.claim_idle_ms)
     }
 
     /// The reclaimer's sweep of consumers left by stopped workers (see
