@@ -31,6 +31,9 @@ pub struct Job {
     pub max_cost_usd: Option<Decimal>,
     /// Overrides `[context] policy` for this job.
     pub context_policy: Option<crate::config::ContextPolicy>,
+    /// Unix time in ms by which the job must have ended: not started by then = status
+    /// `expired` with no call; still running then = its call aborted, `expired`.
+    pub deadline_ms: Option<u64>,
 }
 
 /// Why a payload is invalid. Each message is one line and says what to fix.
@@ -259,6 +262,24 @@ pub fn parse(
             )
         })?),
     };
+    let deadline_ms = match body.get("deadline_ms") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) => Some(n.as_u64().ok_or_else(|| {
+            bad(
+                "deadline_ms",
+                format!("must be a Unix time in ms (a non-negative integer), got {n}"),
+            )
+        })?),
+        Some(other) => {
+            return Err(bad(
+                "deadline_ms",
+                format!(
+                    "must be a Unix time in ms (a non-negative integer), got {}",
+                    kind(other)
+                ),
+            ));
+        }
+    };
     let metadata = body.get("metadata").filter(|m| !m.is_null()).cloned();
     Ok(Job {
         id,
@@ -271,6 +292,7 @@ pub fn parse(
         tenant,
         max_cost_usd,
         context_policy,
+        deadline_ms,
     })
 }
 

@@ -38,6 +38,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Cancel a job by id: queued, it ends `cancelled` with no model call; running, its
+    /// call is aborted wherever in the fleet it runs (within about a second).
+    Cancel {
+        /// The job's id (its `id` field, or its entry id when it had none).
+        id: String,
+    },
     /// Validate the config and print it with secrets redacted.
     CheckConfig,
     /// A local OpenAI-compatible model server with settable latency, errors and token counts.
@@ -268,6 +274,21 @@ async fn real_main(
                 tools::print_status(&v, &mut out)?;
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::Cancel { id }) => {
+            let cfg = cfg.context("config")?;
+            match tools::cancel(&cfg, &id).await? {
+                tools::CancelOutcome::Requested => {
+                    println!(
+                        "cancel requested for job {id:?}: it ends with status cancelled (queued: when a worker takes it, with no model call; running: within about a second)"
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
+                tools::CancelOutcome::AlreadyOk => {
+                    eprintln!("job {id:?} already ended ok: nothing to cancel");
+                    Ok(ExitCode::from(1))
+                }
+            }
         }
         Some(Cmd::CheckConfig) => {
             let cfg = cfg.context("config")?;

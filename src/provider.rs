@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 pub const JOB_HEADER: &str = "x-llm-worker-job";
 
 /// Fields of a job payload that are the worker's own and are not sent upstream.
-pub const WORKER_FIELDS: [&str; 7] = [
+pub const WORKER_FIELDS: [&str; 8] = [
     "route",
     "id",
     "metadata",
@@ -25,6 +25,7 @@ pub const WORKER_FIELDS: [&str; 7] = [
     "tenant",
     "max_cost_usd",
     "context_policy",
+    "deadline_ms",
 ];
 
 #[derive(Debug, Clone, PartialEq)]
@@ -491,7 +492,7 @@ mod tests {
     #[test]
     fn request_body_strips_worker_fields() {
         let payload: Map<String, Value> = serde_json::from_str(
-            r#"{"messages":[],"model":"x","route":"r","id":"1","metadata":{},"top_p":0.5,"stream":true,"tier":"free","tenant":"acme","max_cost_usd":"0.01"}"#,
+            r#"{"messages":[],"model":"x","route":"r","id":"1","metadata":{},"top_p":0.5,"stream":true,"tier":"free","tenant":"acme","max_cost_usd":"0.01","deadline_ms":1,"context_policy":"trim"}"#,
         )
         .unwrap();
         let b = ProviderClient::request_body(&payload, "up");

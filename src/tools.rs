@@ -242,6 +242,41 @@ fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::
 }
 
 /// `results`: the last `count` results, or one job's, optionally following new ones.
+/// What `cancel` found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The cancel marker is set: a queued copy ends `cancelled` with no call when a
+    /// worker takes it; a running one has its call aborted within about a second.
+    Requested,
+    /// The id already has an `ok` result: nothing to cancel.
+    AlreadyOk,
+}
+
+/// Sets the cancel marker of `job_id` (`{ns}:cancel:<id>`, for `queue.dedupe_ttl_s`),
+/// unless the id already has an `ok` result. The marker stands for the id until it
+/// expires: a copy pushed later is cancelled too (delete the key to push it again).
+pub async fn cancel(cfg: &Config, job_id: &str) -> Result<CancelOutcome, ToolError> {
+    if job_id.is_empty() {
+        return Err(ToolError::Input("cancel: the job id is empty".into()));
+    }
+    let keys = Keys::new(&cfg.queue.namespace);
+    let mut c = conn(cfg).await?;
+    if let Some(marker) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
+        let status = marker.rsplit_once('|').map_or("ok", |(_, s)| s);
+        if status == "ok" {
+            return Ok(CancelOutcome::AlreadyOk);
+        }
+    }
+    let _: () = c
+        .set_ex(
+            keys.cancel(job_id),
+            cost::unix_now_ms(),
+            cfg.queue.dedupe_ttl_s.as_secs().max(1),
+        )
+        .await?;
+    Ok(CancelOutcome::Requested)
+}
+
 pub async fn results(
     cfg: &Config,
     job_id: Option<&str>,

@@ -136,6 +136,66 @@ async fn logs_off_a_terminal_are_plain_and_a_failed_job_says_what_was_tried() {
     );
 }
 
+/// `log.format = "json"`: every line is one JSON object (a log collector parses it
+/// without rules), a job's lines carry its entry id and job id in the span, and a failed
+/// job's line has the models tried and the error class as fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_are_one_object_per_line_with_the_job_in_the_span() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![
+            always("m1", Fault::Status { status: 503 }),
+            always("m2", Fault::Status { status: 503 }),
+            always("m3", Fault::Status { status: 503 }),
+        ],
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(
+        &cfg,
+        "wj",
+        &[("RUST_LOG", "info"), ("LLM_WORKER__LOG__FORMAT", "json")],
+    );
+    push(&mut conn, "llm", &[job("doomed-json", "hi")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w]).unwrap();
+    stop_clean(&mut w, T).await;
+    let log = w.log();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| !l.starts_with("--- "))
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}\n{log}"))
+        })
+        .collect();
+    assert!(lines.len() >= 3, "{log}");
+    for l in &lines {
+        assert!(l["timestamp"].is_string() && l["level"].is_string(), "{l}");
+        assert!(l["fields"]["message"].is_string(), "{l}");
+    }
+    let failed = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "job failed")
+        .unwrap_or_else(|| panic!("no `job failed` object:\n{log}"));
+    assert_eq!(failed["level"], "WARN", "{failed}");
+    assert_eq!(failed["fields"]["tried"], "m1,m2,m3", "{failed}");
+    assert_eq!(failed["fields"]["class"], "transient", "{failed}");
+    let span = &failed["span"];
+    assert!(
+        span["id"]
+            .as_str()
+            .is_some_and(|id| id.contains("doomed-json")),
+        "job id in the span: {failed}"
+    );
+    assert!(
+        span["entry"].as_str().is_some_and(|e| e.contains('-')),
+        "entry id in the span: {failed}"
+    );
+}
+
 /// systemd `Type=notify` (issue 11): with a `NOTIFY_SOCKET` of the test's own, READY=1
 /// arrives once the consumer group exists, WATCHDOG=1 pings arrive while the worker runs
 /// (`WATCHDOG_USEC` set, as `WatchdogSec` does), and STOPPING=1 arrives on SIGTERM.

@@ -23,7 +23,10 @@ async fn a_tpm_window_stays_within_its_limit_after_a_lone_correction_and_a_quiet
     let redis = RedisServer::start();
     let mut c = redis.conn().await;
     let w = "{llm}:rate:m:m1:tpm:w";
-    let window = 1000u64; // the scripts take the window as an argument; 60 s in prod
+    // The scripts take the window as an argument (60 s in prod). Three one-second buckets:
+    // the 40 admissions below may straddle a second boundary and still fall in one window
+    // (with a one-bucket window they would meet two windows, each with its own limit).
+    let window = 3000u64;
     let limit = 1000u64;
     let admit = |id: String, amount: u64| {
         let mut inv = llm_worker::scripts::QUOTA_ADMIT.prepare_invoke();

@@ -116,6 +116,11 @@ impl Keys {
     pub fn done(&self, job_id: &str) -> String {
         format!("{}:done:{job_id}", self.prefix)
     }
+    /// Cancel marker of a job id (`llm-worker cancel`, or a producer's own `SET ... EX`):
+    /// a job of that id ends `cancelled` (no call if none started, else its call aborted).
+    pub fn cancel(&self, job_id: &str) -> String {
+        format!("{}:cancel:{job_id}", self.prefix)
+    }
     /// In-progress marker of a job id, value = the job entry working on it (short TTL,
     /// extended while the job runs).
     pub fn inflight(&self, job_id: &str) -> String {
@@ -407,6 +412,8 @@ pub enum IdClaim {
     Done { result_id: String, status: String },
     /// Another entry with the same id is being worked on now.
     Busy { other_entry: String },
+    /// The id has a cancel marker: end `cancelled` without a call.
+    Cancelled,
 }
 
 /// Entries taken over from stalled consumers.
@@ -573,6 +580,7 @@ impl Queue {
             .claim_id_script
             .key(self.keys.done(job_id))
             .key(self.keys.inflight(job_id))
+            .key(self.keys.cancel(job_id))
             .arg(entry_id)
             .arg(self.claim_idle_ms)
             .invoke_async(&mut conn)
@@ -586,8 +594,20 @@ impl Queue {
                 }
             }
             "busy" => IdClaim::Busy { other_entry: val },
+            "cancelled" => IdClaim::Cancelled,
             _ => IdClaim::Claimed,
         })
+    }
+
+    /// For each job id, whether it has a cancel marker (`{ns}:cancel:<id>`, any type): one
+    /// round trip.
+    pub async fn cancelled(&self, job_ids: &[&str]) -> Result<Vec<bool>, QueueError> {
+        let mut pipe = redis::pipe();
+        for id in job_ids {
+            pipe.exists(self.keys.cancel(id));
+        }
+        let mut conn = self.conn.get().await?;
+        Ok(pipe.query_async(&mut conn).await?)
     }
 
     /// Resets the idle time of entries this consumer is still working on, and extends

@@ -50,6 +50,11 @@ pub enum ResultStatus {
     Invalid,
     /// Delivered too many times; a dead letter goes with it.
     Dead,
+    /// Cancelled (`llm-worker cancel`, or the `{ns}:cancel:<id>` marker): no call if it
+    /// had not started one, else its call aborted.
+    Cancelled,
+    /// Its `deadline_ms` passed: no call if it had not started one, else its call aborted.
+    Expired,
 }
 
 impl ResultStatus {
@@ -59,6 +64,8 @@ impl ResultStatus {
             ResultStatus::Failed => "failed",
             ResultStatus::Invalid => "invalid",
             ResultStatus::Dead => "dead",
+            ResultStatus::Cancelled => "cancelled",
+            ResultStatus::Expired => "expired",
         }
     }
 
@@ -69,6 +76,8 @@ impl ResultStatus {
             "failed" => ResultStatus::Failed,
             "invalid" => ResultStatus::Invalid,
             "dead" => ResultStatus::Dead,
+            "cancelled" => ResultStatus::Cancelled,
+            "expired" => ResultStatus::Expired,
             _ => return None,
         })
     }
@@ -581,6 +590,8 @@ mod tests {
             ResultStatus::Failed,
             ResultStatus::Invalid,
             ResultStatus::Dead,
+            ResultStatus::Cancelled,
+            ResultStatus::Expired,
         ] {
             assert_eq!(ResultStatus::parse(s.as_str()), Some(s));
         }

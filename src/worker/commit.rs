@@ -237,6 +237,8 @@ impl Worker {
         let status = match finished {
             Finished::Ok { .. } => ResultStatus::Ok,
             Finished::Failed(_) => ResultStatus::Failed,
+            Finished::Stopped(Stop::Cancelled) => ResultStatus::Cancelled,
+            Finished::Stopped(Stop::Expired) => ResultStatus::Expired,
         };
         let mut result = self.base_result(d, &job.id, status, started);
         match finished {
@@ -259,6 +261,29 @@ impl Worker {
                     "job failed"
                 );
                 result.error = Some(provider::one_line(&e));
+            }
+            Finished::Stopped(stop) => {
+                let when = if spent.attempts > 0 {
+                    "its model call was aborted; what was billed before is counted"
+                } else {
+                    "before any model call"
+                };
+                let why = match stop {
+                    Stop::Cancelled => {
+                        format!("cancelled: by a cancel of job id {} ({when})", job.id)
+                    }
+                    Stop::Expired => format!(
+                        "expired: deadline_ms {} passed ({when})",
+                        job.deadline_ms.unwrap_or(0)
+                    ),
+                };
+                tracing::info!(
+                    tried = %spent.tried.join(","),
+                    attempts = spent.attempts,
+                    status = %status,
+                    "job stopped: {why}"
+                );
+                result.error = Some(provider::one_line(&why));
             }
         }
         result.input_tokens = bill.usage.prompt_tokens;

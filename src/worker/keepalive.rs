@@ -41,6 +41,47 @@ impl Worker {
     }
 }
 
+/// How often the cancel watcher asks Redis about the ids of the jobs running here: a
+/// cancel reaches a running job within this (plus a round trip), fleet-wide.
+pub(super) const CANCEL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
+impl Worker {
+    /// Every [`CANCEL_POLL`], while jobs run here: one round trip (a pipeline of EXISTS)
+    /// asks whether their ids have a cancel marker, and fires the stop switch of each that
+    /// has. No jobs, no round trip.
+    pub(super) async fn watch_cancels(self: Arc<Self>, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(CANCEL_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.cancelled() => return,
+            }
+            let watched: Vec<(String, String)> = lock(&self.stops)
+                .iter()
+                .filter(|(_, (_, t))| !t.is_cancelled())
+                .map(|(e, (id, _))| (e.clone(), id.clone()))
+                .collect();
+            if watched.is_empty() {
+                continue;
+            }
+            let ids: Vec<&str> = watched.iter().map(|(_, id)| id.as_str()).collect();
+            match self.queue.cancelled(&ids).await {
+                Ok(flags) => {
+                    let stops = lock(&self.stops);
+                    for ((entry, id), _) in watched.iter().zip(flags).filter(|(_, f)| *f) {
+                        if let Some((_, token)) = stops.get(entry) {
+                            tracing::info!(entry = %entry, job = %id, "cancel requested; stopping the job");
+                            token.cancel();
+                        }
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "cancel check failed; retrying next tick"),
+            }
+        }
+    }
+}
+
 /// Stops the keepalive task when the reader loop's drain ends.
 pub(super) struct KeeperGuard(
     pub(super) CancellationToken,

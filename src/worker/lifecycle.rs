@@ -230,6 +230,10 @@ impl Worker {
                         let dup = self.duplicate(d, &job, &result_id, &status, started).await;
                         return Some(self.charge(dup, &lock(spent)));
                     }
+                    Ok(IdClaim::Cancelled) => {
+                        let f = Finished::Stopped(Stop::Cancelled);
+                        return Some(self.finish(d, &job, f, &lock(spent), started));
+                    }
                     Ok(IdClaim::Busy { other_entry }) => {
                         tracing::debug!(entry = %d.entry_id, job = %job.id, other = %other_entry, "same job id in flight elsewhere; waiting for its result");
                         if !self.wait_for_busy_id(&d.entry_id, &mut busy_since).await {
@@ -295,6 +299,17 @@ impl Worker {
                 d.extra_fields.join(", ")
             ));
         }
+        // Cancel and deadline: a job that must not start ends here without a call; from
+        // here on, the job's loop runs against its stop switch (below).
+        let stop = CancellationToken::new();
+        lock(&self.stops).insert(d.entry_id.clone(), (job.id.clone(), stop.clone()));
+        if job
+            .deadline_ms
+            .is_some_and(|at| crate::cost::unix_now_ms() >= at)
+        {
+            let f = Finished::Stopped(Stop::Expired);
+            return Some(self.finish(d, &job, f, &lock(spent), started));
+        }
         let order = match quota::tier_filter(
             &self.cfg,
             job.tier.as_deref(),
@@ -355,275 +370,291 @@ impl Worker {
         let mut limited_since: Option<Instant> = None;
         // The job's place under its tenant's cap in the current model's pool, if capped.
         let mut place: Option<crate::tenants::TenantLease> = None;
-        let finished = loop {
-            // A model or provider in a shared cooldown: a later model of the route that is
-            // not cooling runs instead; when every one is, wait for this one (no call is
-            // spent rediscovering what another worker found).
-            let cooling = {
-                let c = plan.current();
-                self.cooldowns.remaining(&c.model, &c.provider)
-            };
-            if let Some(left) = cooling {
-                let alt = plan.usable_alternatives().into_iter().find(|&i| {
-                    let c = &plan.candidates()[i];
-                    self.cooldowns.remaining(&c.model, &c.provider).is_none()
-                });
-                match alt {
-                    Some(i) => {
-                        plan.switch_to(i);
-                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
-                    }
-                    None => {
-                        self.unless_draining(tokio::time::sleep(left.min(Duration::from_secs(5))))
-                            .await?;
-                    }
-                }
-                continue;
-            }
-            // The local rate limit first: a fleet slot is never held while waiting on it.
-            // Draining: no provider call starts after the first signal (the job is handed
-            // back). Checked before each wait and once more with the slot in hand.
-            if let Some(cap) = job.max_cost_usd
-                && let Err(e) = within_cap(&mut plan, cap, lock(spent).counted(), &worst)
-            {
-                break Finished::Failed(e.to_string());
-            }
-            // A place under the tenant's cap before a slot: with none free the job is
-            // parked (it holds no slot and no permit while it waits; jobs behind it go on).
-            let pool_now = &plan.current().pool;
-            if place.as_ref().is_some_and(|l| l.pool() != pool_now) {
-                place = None; // gives the other pool's place back
-            }
-            if place.is_none()
-                && let Some(tenant) = job.tenant.as_deref()
-                && let Some(cap) = self.tenants.cap(pool_now)
-            {
-                let pool_now = pool_now.clone();
-                match self
-                    .tenant_place(d, &job, tenant, &pool_now, cap, spent)
-                    .await?
-                {
-                    Place::Held(l) => place = Some(l),
-                    Place::Parked => {
-                        lock(spent).parked = true;
-                        return None;
-                    }
-                    Place::Gone => return None,
-                    Place::Broken(why) => break Finished::Failed(why),
-                }
-            }
-            let throttled = plan.current().provider.clone();
-            if let Some(c) = self.providers.get(&throttled) {
-                self.unless_draining(c.throttle()).await?;
-            }
-            let lease = self
-                .take_slot(
-                    &mut plan,
-                    job.tenant.as_deref(),
-                    place.as_ref().map(|l| l.pool()),
-                )
-                .await?;
-            let cand = plan.current().clone();
-            if cand.provider != throttled
-                && let Some(c) = self.providers.get(&cand.provider)
-                && self.unless_draining(c.throttle()).await.is_none()
-            {
-                // the slot fast path switched provider
-                release_unused(lease).await;
-                return None;
-            }
-            if self.draining.is_cancelled() {
-                release_unused(lease).await;
-                return None;
-            }
-            if check_ours {
-                check_ours = false;
-                if !self.still_ours(&d.entry_id).await {
-                    release_unused(lease).await;
-                    return None;
-                }
-            }
-            // The model's context window: trim, move on, or fail (see `context`).
-            let trimmed = match self.fit_context(&job, &cand) {
-                context::Fit::AsIs => None,
-                context::Fit::Trimmed { messages, dropped } => Some((messages, dropped)),
-                context::Fit::Skip(why) => {
-                    release_unused(lease).await;
-                    if plan.skip_current() {
-                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
-                        continue;
-                    }
-                    break Finished::Failed(why);
-                }
-                context::Fit::Fail(why) => {
-                    release_unused(lease).await;
-                    break Finished::Failed(why);
-                }
-            };
-            // The budgets and the fleet-wide rate limits, in one round trip, all or
-            // nothing (a call held back by a rate limit reserves no budget).
-            let ticket = match self.admit_quota(&job, &cand.model).await {
-                Quota::Yes(t) => t,
-                Quota::Stopped => {
-                    release_unused(lease).await;
-                    return None;
-                }
-                Quota::Skip(e) => {
-                    // on_exhausted = "cheaper" (or a worst case not computable): another
-                    // model of the route whose worst case fits may run.
-                    release_unused(lease).await;
-                    if plan.skip_current() {
-                        continue;
-                    }
-                    break Finished::Failed(e);
-                }
-                Quota::Fail(e) => {
-                    release_unused(lease).await;
-                    break Finished::Failed(e);
-                }
-                Quota::Pause(e, covers_all) => {
-                    release_unused(lease).await;
-                    if covers_all {
-                        // Every job would wait for it: take no new ones meanwhile. A budget
-                        // covering some models or one tenant pauses only the jobs it
-                        // covers (each waits here; the reader goes on).
-                        self.pause_for_budget(&e);
-                    }
-                    self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
-                        .await?;
-                    continue;
-                }
-                Quota::Wait(wait) => {
-                    // No slot is held while a fleet-wide rate limit has no room. Limited
-                    // past `slots.acquire_timeout_ms`, a later model of the route runs
-                    // instead (when there is one); else the job waits for room.
-                    release_unused(lease).await;
-                    let since = *limited_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= self.cfg.slots.acquire_timeout_ms
-                        && !plan.usable_alternatives().is_empty()
-                    {
-                        plan.skip_current();
-                        limited_since = None;
-                        metrics::counter!("llm_worker_fallbacks_total").increment(1);
-                        continue;
-                    }
-                    self.unless_draining(tokio::time::sleep(wait.min(Duration::from_secs(1))))
-                        .await?;
-                    continue;
-                }
-            };
-            limited_since = None;
-            lock(spent).start_call(&cand.model);
-            plan.record_attempt();
-            let Some(client) = self.providers.get(&cand.provider) else {
-                break Finished::Failed(format!("provider {} not configured", cand.provider));
-            };
-            let upstream = self.cfg.upstream_name(&cand.model);
-            lock(spent).trimmed_messages = trimmed.as_ref().map(|(_, n)| *n as u64);
-            let body = match &trimmed {
-                None => ProviderClient::request_body(&job.body, upstream),
-                Some((messages, _)) => {
-                    let mut b = job.body.clone();
-                    b.insert(
-                        "messages".into(),
-                        serde_json::Value::Array(messages.clone()),
-                    );
-                    ProviderClient::request_body(&b, upstream)
-                }
-            };
-            let call_started = Instant::now();
-            let outcome = client.call(&body, &job.id).await;
-            if lease.is_lost() {
-                tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
-            }
-            {
-                let mut s = lock(spent);
-                if let Some(price) = self.prices.get(&cand.model) {
-                    // Priced once: the bill, the budgets and /metrics use the same figure.
-                    let priced = s.bill.add(&cand.model, outcome.usage, price);
-                    if let Some(t) = ticket {
-                        // The call's real cost replaces its worst case in the budgets. A
-                        // success without usage may have been billed anything up to the
-                        // worst case: that is what stays counted.
-                        // A call cut off after it was sent (timeout, reset) is counted the
-                        // same way: the provider may bill it. Its tokens correct the
-                        // estimate the rate limits admitted.
-                        let real = match outcome.usage {
-                            Some(_) => priced,
-                            None if outcome.cost_unknown() => None,
-                            None => Some(rust_decimal::Decimal::ZERO),
-                        };
-                        let used = outcome
-                            .usage
-                            .map(|u| u.prompt_tokens.saturating_add(u.completion_tokens));
-                        self.settle_detached(t, real, used);
-                    }
-                    if outcome.cost_unknown()
-                        && let Some(Ok(w)) = worst.get(plan.current_index())
-                    {
-                        // Its cap counts it at its worst case too.
-                        s.unknown_worst = s.unknown_worst.saturating_add(*w);
-                    }
-                    if let (Some(u), Some(m)) = (outcome.usage, self.model_metrics.get(&cand.model))
-                    {
-                        call_metrics(m, &u, priced);
-                    }
-                    if outcome.usage.is_some()
-                        && let Some(raw) = &outcome.raw_usage
-                    {
-                        s.bill.raw_usage.push(raw.clone());
-                    }
-                }
-                if outcome.usage.is_none() && outcome.result.is_ok() {
-                    s.bill.usage_missing(&cand.model);
-                }
-            }
-            // Never awaited here: nothing (a slow Redis, `abort`) may stand between a paid
-            // answer and its commit.
-            self.release_detached(lease);
-            let label = match &outcome.result {
-                Ok(_) => "ok",
-                Err(e) => class_label(&e.class),
-            };
-            metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => label)
-                .increment(1);
-            if let Some(m) = self.model_metrics.get(&cand.model) {
-                m.call_seconds.record(call_started.elapsed().as_secs_f64());
-            }
-            if outcome.result.is_ok() {
-                self.cooldowns.record(&cand.model, false);
-            }
-            match outcome.result {
-                Ok(completion) => {
-                    break Finished::Ok {
-                        model: cand.model,
-                        completion,
-                    };
-                }
-                Err(CallError { class, message, .. }) => {
-                    lock(spent).last_class = Some(class_label(&class));
-                    self.share_cooldown(&cand, &class, &message).await;
-                    let decision = plan.on_error(&class, rand::random::<f64>());
-                    tracing::debug!(job = %job.id, model = %cand.model, error = %message, ?decision, "attempt failed");
-                    match decision {
-                        Decision::RetryAfter(after) => {
-                            self.unless_draining(tokio::time::sleep(after)).await?
-                        }
-                        Decision::Switch(_) => {
-                            tracing::info!(
-                                model = %cand.model,
-                                class = %class_label(&class),
-                                next = %plan.current().model,
-                                "model failed; falling back to the route's next model"
-                            );
+        // The job's loop, raced against its stop switch. Dropping it on a stop aborts the
+        // call in flight (the provider sees the connection close) and drops its slot lease,
+        // tenant place and quota reservation, which release themselves (the reservation
+        // lapses at its ttl: the aborted call may still be billed). Biased: a call that
+        // ended in the same poll as the stop keeps its answer.
+        let run = async {
+            let finished = loop {
+                // A model or provider in a shared cooldown: a later model of the route that is
+                // not cooling runs instead; when every one is, wait for this one (no call is
+                // spent rediscovering what another worker found).
+                let cooling = {
+                    let c = plan.current();
+                    self.cooldowns.remaining(&c.model, &c.provider)
+                };
+                if let Some(left) = cooling {
+                    let alt = plan.usable_alternatives().into_iter().find(|&i| {
+                        let c = &plan.candidates()[i];
+                        self.cooldowns.remaining(&c.model, &c.provider).is_none()
+                    });
+                    match alt {
+                        Some(i) => {
+                            plan.switch_to(i);
                             metrics::counter!("llm_worker_fallbacks_total").increment(1);
                         }
-                        Decision::Fail => {
-                            break Finished::Failed(format!("{}: {message}", cand.model));
+                        None => {
+                            self.unless_draining(tokio::time::sleep(
+                                left.min(Duration::from_secs(5)),
+                            ))
+                            .await?;
+                        }
+                    }
+                    continue;
+                }
+                // The local rate limit first: a fleet slot is never held while waiting on it.
+                // Draining: no provider call starts after the first signal (the job is handed
+                // back). Checked before each wait and once more with the slot in hand.
+                if let Some(cap) = job.max_cost_usd
+                    && let Err(e) = within_cap(&mut plan, cap, lock(spent).counted(), &worst)
+                {
+                    break Finished::Failed(e.to_string());
+                }
+                // A place under the tenant's cap before a slot: with none free the job is
+                // parked (it holds no slot and no permit while it waits; jobs behind it go on).
+                let pool_now = &plan.current().pool;
+                if place.as_ref().is_some_and(|l| l.pool() != pool_now) {
+                    place = None; // gives the other pool's place back
+                }
+                if place.is_none()
+                    && let Some(tenant) = job.tenant.as_deref()
+                    && let Some(cap) = self.tenants.cap(pool_now)
+                {
+                    let pool_now = pool_now.clone();
+                    match self
+                        .tenant_place(d, &job, tenant, &pool_now, cap, spent)
+                        .await?
+                    {
+                        Place::Held(l) => place = Some(l),
+                        Place::Parked => {
+                            lock(spent).parked = true;
+                            return None;
+                        }
+                        Place::Gone => return None,
+                        Place::Broken(why) => break Finished::Failed(why),
+                    }
+                }
+                let throttled = plan.current().provider.clone();
+                if let Some(c) = self.providers.get(&throttled) {
+                    self.unless_draining(c.throttle()).await?;
+                }
+                let lease = self
+                    .take_slot(
+                        &mut plan,
+                        job.tenant.as_deref(),
+                        place.as_ref().map(|l| l.pool()),
+                    )
+                    .await?;
+                let cand = plan.current().clone();
+                if cand.provider != throttled
+                    && let Some(c) = self.providers.get(&cand.provider)
+                    && self.unless_draining(c.throttle()).await.is_none()
+                {
+                    // the slot fast path switched provider
+                    release_unused(lease).await;
+                    return None;
+                }
+                if self.draining.is_cancelled() {
+                    release_unused(lease).await;
+                    return None;
+                }
+                if check_ours {
+                    check_ours = false;
+                    if !self.still_ours(&d.entry_id).await {
+                        release_unused(lease).await;
+                        return None;
+                    }
+                }
+                // The model's context window: trim, move on, or fail (see `context`).
+                let trimmed = match self.fit_context(&job, &cand) {
+                    context::Fit::AsIs => None,
+                    context::Fit::Trimmed { messages, dropped } => Some((messages, dropped)),
+                    context::Fit::Skip(why) => {
+                        release_unused(lease).await;
+                        if plan.skip_current() {
+                            metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                            continue;
+                        }
+                        break Finished::Failed(why);
+                    }
+                    context::Fit::Fail(why) => {
+                        release_unused(lease).await;
+                        break Finished::Failed(why);
+                    }
+                };
+                // The budgets and the fleet-wide rate limits, in one round trip, all or
+                // nothing (a call held back by a rate limit reserves no budget).
+                let ticket = match self.admit_quota(&job, &cand.model).await {
+                    Quota::Yes(t) => t,
+                    Quota::Stopped => {
+                        release_unused(lease).await;
+                        return None;
+                    }
+                    Quota::Skip(e) => {
+                        // on_exhausted = "cheaper" (or a worst case not computable): another
+                        // model of the route whose worst case fits may run.
+                        release_unused(lease).await;
+                        if plan.skip_current() {
+                            continue;
+                        }
+                        break Finished::Failed(e);
+                    }
+                    Quota::Fail(e) => {
+                        release_unused(lease).await;
+                        break Finished::Failed(e);
+                    }
+                    Quota::Pause(e, covers_all) => {
+                        release_unused(lease).await;
+                        if covers_all {
+                            // Every job would wait for it: take no new ones meanwhile. A budget
+                            // covering some models or one tenant pauses only the jobs it
+                            // covers (each waits here; the reader goes on).
+                            self.pause_for_budget(&e);
+                        }
+                        self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
+                            .await?;
+                        continue;
+                    }
+                    Quota::Wait(wait) => {
+                        // No slot is held while a fleet-wide rate limit has no room. Limited
+                        // past `slots.acquire_timeout_ms`, a later model of the route runs
+                        // instead (when there is one); else the job waits for room.
+                        release_unused(lease).await;
+                        let since = *limited_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() >= self.cfg.slots.acquire_timeout_ms
+                            && !plan.usable_alternatives().is_empty()
+                        {
+                            plan.skip_current();
+                            limited_since = None;
+                            metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                            continue;
+                        }
+                        self.unless_draining(tokio::time::sleep(wait.min(Duration::from_secs(1))))
+                            .await?;
+                        continue;
+                    }
+                };
+                limited_since = None;
+                lock(spent).start_call(&cand.model);
+                plan.record_attempt();
+                let Some(client) = self.providers.get(&cand.provider) else {
+                    break Finished::Failed(format!("provider {} not configured", cand.provider));
+                };
+                let upstream = self.cfg.upstream_name(&cand.model);
+                lock(spent).trimmed_messages = trimmed.as_ref().map(|(_, n)| *n as u64);
+                let body = match &trimmed {
+                    None => ProviderClient::request_body(&job.body, upstream),
+                    Some((messages, _)) => {
+                        let mut b = job.body.clone();
+                        b.insert(
+                            "messages".into(),
+                            serde_json::Value::Array(messages.clone()),
+                        );
+                        ProviderClient::request_body(&b, upstream)
+                    }
+                };
+                let call_started = Instant::now();
+                let outcome = client.call(&body, &job.id).await;
+                if lease.is_lost() {
+                    tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
+                }
+                {
+                    let mut s = lock(spent);
+                    if let Some(price) = self.prices.get(&cand.model) {
+                        // Priced once: the bill, the budgets and /metrics use the same figure.
+                        let priced = s.bill.add(&cand.model, outcome.usage, price);
+                        if let Some(t) = ticket {
+                            // The call's real cost replaces its worst case in the budgets. A
+                            // success without usage may have been billed anything up to the
+                            // worst case: that is what stays counted.
+                            // A call cut off after it was sent (timeout, reset) is counted the
+                            // same way: the provider may bill it. Its tokens correct the
+                            // estimate the rate limits admitted.
+                            let real = match outcome.usage {
+                                Some(_) => priced,
+                                None if outcome.cost_unknown() => None,
+                                None => Some(rust_decimal::Decimal::ZERO),
+                            };
+                            let used = outcome
+                                .usage
+                                .map(|u| u.prompt_tokens.saturating_add(u.completion_tokens));
+                            self.settle_detached(t, real, used);
+                        }
+                        if outcome.cost_unknown()
+                            && let Some(Ok(w)) = worst.get(plan.current_index())
+                        {
+                            // Its cap counts it at its worst case too.
+                            s.unknown_worst = s.unknown_worst.saturating_add(*w);
+                        }
+                        if let (Some(u), Some(m)) =
+                            (outcome.usage, self.model_metrics.get(&cand.model))
+                        {
+                            call_metrics(m, &u, priced);
+                        }
+                        if outcome.usage.is_some()
+                            && let Some(raw) = &outcome.raw_usage
+                        {
+                            s.bill.raw_usage.push(raw.clone());
+                        }
+                    }
+                    if outcome.usage.is_none() && outcome.result.is_ok() {
+                        s.bill.usage_missing(&cand.model);
+                    }
+                }
+                // Never awaited here: nothing (a slow Redis, `abort`) may stand between a paid
+                // answer and its commit.
+                self.release_detached(lease);
+                let label = match &outcome.result {
+                    Ok(_) => "ok",
+                    Err(e) => class_label(&e.class),
+                };
+                metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => label)
+                .increment(1);
+                if let Some(m) = self.model_metrics.get(&cand.model) {
+                    m.call_seconds.record(call_started.elapsed().as_secs_f64());
+                }
+                if outcome.result.is_ok() {
+                    self.cooldowns.record(&cand.model, false);
+                }
+                match outcome.result {
+                    Ok(completion) => {
+                        break Finished::Ok {
+                            model: cand.model,
+                            completion,
+                        };
+                    }
+                    Err(CallError { class, message, .. }) => {
+                        lock(spent).last_class = Some(class_label(&class));
+                        self.share_cooldown(&cand, &class, &message).await;
+                        let decision = plan.on_error(&class, rand::random::<f64>());
+                        tracing::debug!(job = %job.id, model = %cand.model, error = %message, ?decision, "attempt failed");
+                        match decision {
+                            Decision::RetryAfter(after) => {
+                                self.unless_draining(tokio::time::sleep(after)).await?
+                            }
+                            Decision::Switch(_) => {
+                                tracing::info!(
+                                    model = %cand.model,
+                                    class = %class_label(&class),
+                                    next = %plan.current().model,
+                                    "model failed; falling back to the route's next model"
+                                );
+                                metrics::counter!("llm_worker_fallbacks_total").increment(1);
+                            }
+                            Decision::Fail => {
+                                break Finished::Failed(format!("{}: {message}", cand.model));
+                            }
                         }
                     }
                 }
-            }
+            };
+            Some(finished)
+        };
+        let finished = tokio::select! {
+            biased;
+            f = run => f?,
+            why = self.stop_signal(&stop, job.deadline_ms) => Finished::Stopped(why),
         };
         Some(self.finish(d, &job, finished, &lock(spent), started))
     }
@@ -815,6 +846,37 @@ pub(super) enum Finished {
         completion: provider::Completion,
     },
     Failed(String),
+    /// Cancelled or expired: ended without an answer, its call (if one ran) aborted.
+    Stopped(Stop),
+}
+
+/// Why a job was stopped before it ended by itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stop {
+    /// Its id got a cancel marker (`llm-worker cancel`).
+    Cancelled,
+    /// Its `deadline_ms` passed.
+    Expired,
+}
+
+impl Worker {
+    /// Resolves when the job must stop: its cancel token fired (the cancel watcher saw its
+    /// id's marker) or its deadline (Unix ms, the worker's wall clock) passed.
+    async fn stop_signal(&self, token: &CancellationToken, deadline_ms: Option<u64>) -> Stop {
+        let deadline = async {
+            match deadline_ms {
+                Some(at) => {
+                    let left = at.saturating_sub(crate::cost::unix_now_ms());
+                    tokio::time::sleep(Duration::from_millis(left)).await
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = token.cancelled() => Stop::Cancelled,
+            _ = deadline => Stop::Expired,
+        }
+    }
 }
 
 impl Worker {
@@ -1179,6 +1241,7 @@ impl Drop for JobGuard {
             lock(&w.finished).insert(self.entry_id.clone());
         }
         lock(&w.active).remove(&self.entry_id);
+        lock(&w.stops).remove(&self.entry_id);
         drop(lock(&w.permits).remove(&self.entry_id));
         w.state.in_flight.fetch_sub(1, Ordering::SeqCst);
         metrics::gauge!("llm_worker_jobs_in_flight").decrement(1.0);

@@ -75,6 +75,11 @@ pub struct Worker {
     /// Redis lost (a failover to a replica that had not received it, a restart from an
     /// older snapshot) and must run again.
     finished: Mutex<Recent>,
+    /// Each running job's stop switch, by entry id: (job id, token). The cancel watcher
+    /// ([`keepalive`]) fires the token of a job whose id got a cancel marker; the job's
+    /// loop ends on it (or on its `deadline_ms`) with its call aborted. Registered once
+    /// the payload is parsed, removed by the [`JobGuard`].
+    stops: Mutex<HashMap<String, (String, CancellationToken)>>,
     /// The job permit of each running task, by entry id. A copy of a busy job id gives
     /// its permit back while it waits (`wait_for_busy_id`); the guard drops the rest.
     permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
@@ -194,6 +199,7 @@ impl Worker {
             state: Arc::new(WorkerState::default()),
             active: Mutex::new(HashMap::new()),
             finished: Mutex::new(Recent::default()),
+            stops: Mutex::new(HashMap::new()),
             permits: Mutex::new(HashMap::new()),
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
             draining: CancellationToken::new(),

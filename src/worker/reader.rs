@@ -74,6 +74,9 @@ impl Worker {
         let mut next_reclaim = Instant::now();
         let keeper_stop = CancellationToken::new();
         let keeper = tokio::spawn(self.clone().keep_alive(keeper_stop.clone()));
+        let _cancel_watch = AbortOnDrop(tokio::spawn(
+            self.clone().watch_cancels(keeper_stop.clone()),
+        ));
         self.state.taking_jobs.store(true, Ordering::SeqCst);
         loop {
             self.state.beat();

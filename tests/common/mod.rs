@@ -609,9 +609,25 @@ async fn entries_as<T: redis::FromRedisValue + Default>(
     conn: &mut redis::aio::MultiplexedConnection,
     stream: &str,
 ) -> Vec<(String, HashMap<String, T>)> {
-    let r: redis::streams::StreamRangeReply = conn.xrange_all(stream).await.expect("xrange");
-    r.ids
-        .into_iter()
+    // In pages of 1000: one XRANGE of a 10,000-entry stream can outlast the connection's
+    // 500 ms reply timeout on a loaded machine.
+    let mut all = vec![];
+    let mut start = "-".to_string();
+    loop {
+        let page: redis::streams::StreamRangeReply = conn
+            .xrange_count(stream, &start, "+", 1000)
+            .await
+            .expect("xrange");
+        let n = page.ids.len();
+        if let Some(last) = page.ids.last() {
+            start = format!("({}", last.id);
+        }
+        all.extend(page.ids);
+        if n < 1000 {
+            break;
+        }
+    }
+    all.into_iter()
         .map(|e| {
             let m = e
                 .map

@@ -1,0 +1,221 @@
+//! Cancel and deadlines (statuses `cancelled` and `expired`): a job that must not start
+//! ends with no model call; a running one has its call aborted (the simulated provider
+//! sees it end), its slot released, and exactly one result. The real binary, a real
+//! redis-server, the simulated provider over HTTP; `cancel` runs as another process.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::SimOptions;
+use std::collections::HashMap;
+use std::time::Duration;
+use tokio::time::Instant;
+
+const T: Duration = Duration::from_secs(20);
+
+fn now_ms() -> u64 {
+    llm_worker::cost::unix_now_ms()
+}
+
+fn job_with(id: &str, extra: serde_json::Value) -> String {
+    let mut v = serde_json::json!({"id": id, "messages": [{"role": "user", "content": "hi"}]});
+    if let (Some(o), Some(e)) = (v.as_object_mut(), extra.as_object()) {
+        o.extend(e.clone());
+    }
+    v.to_string()
+}
+
+fn by_id(
+    results: &[(String, HashMap<String, String>)],
+) -> HashMap<String, HashMap<String, String>> {
+    results
+        .iter()
+        .map(|(_, r)| (r["job_id"].clone(), r.clone()))
+        .collect()
+}
+
+fn calls_of(sim: &SimHandle, id: &str) -> u64 {
+    sim.sim.stats().calls_per_job.get(id).copied().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_job_cancelled_before_a_worker_takes_it_makes_no_call() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "c.toml");
+    let cfg_s = cfg.to_str().unwrap();
+    let mut conn = redis.conn().await;
+    push(
+        &mut conn,
+        "llm",
+        &[job("q-cancel", "hi"), job("q-keep", "hi")],
+    )
+    .await;
+    let out = run_bin_async(&["--config", cfg_s, "cancel", "q-cancel"], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(out.stdout.contains("cancel requested"), "{}", out.all());
+
+    let mut w = WorkerProc::spawn(&cfg, "c1", &[]);
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r["q-cancel"]["status"], "cancelled", "{:?}", r["q-cancel"]);
+    assert!(
+        r["q-cancel"]["error"].starts_with("cancelled:"),
+        "{:?}",
+        r["q-cancel"]
+    );
+    assert_eq!(r["q-cancel"]["attempts"], "0");
+    assert_eq!(r["q-cancel"]["cost_usd"], "0");
+    assert_eq!(r["q-keep"]["status"], "ok");
+    assert_eq!(
+        calls_of(&sim, "q-cancel"),
+        0,
+        "no model call for a cancelled job"
+    );
+
+    // An id that already ended ok cannot be cancelled: the CLI says so and exits 1.
+    let out = run_bin_async(&["--config", cfg_s, "cancel", "q-keep"], &[], T).await;
+    assert_eq!(out.code, Some(1), "{}", out.all());
+    assert!(out.stderr.contains("already ended ok"), "{}", out.all());
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_call_is_aborted_by_a_cancel_from_another_process() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 60_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "c.toml");
+    let cfg_s = cfg.to_str().unwrap();
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "c-run", &[]);
+    push(&mut conn, "llm", &[job("long-1", "hi")]).await;
+    assert!(
+        in_flight_at_least(&sim, 1, T).await,
+        "the call never started\n{}",
+        w.log()
+    );
+    assert_eq!(
+        slot_keys(&mut conn, "llm").await.len(),
+        1,
+        "the call holds the slot"
+    );
+
+    let asked = Instant::now();
+    let out = run_bin_async(&["--config", cfg_s, "cancel", "long-1"], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
+    let took = asked.elapsed();
+    assert!(
+        took < Duration::from_secs(3),
+        "cancel reached the running job in {took:?}"
+    );
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    let res = &r["long-1"];
+    assert_eq!(res["status"], "cancelled", "{res:?}");
+    assert!(res["error"].contains("aborted"), "{res:?}");
+    assert_eq!(res["attempts"], "1", "{res:?}");
+    // The call ended at the provider, and the slot is free again.
+    assert!(
+        wait_for(Duration::from_secs(5), || async {
+            sim.sim.stats().in_flight == 0
+        })
+        .await,
+        "the provider still sees the call"
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || async {
+            slot_keys(&mut redis.conn().await, "llm").await.is_empty()
+        })
+        .await,
+        "the slot was not released"
+    );
+    // Settled: no second result arrives later.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_expire_a_job_not_started_and_abort_one_running_past_it() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 60_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "d.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "d1", &[]);
+    let pushed = Instant::now();
+    push(
+        &mut conn,
+        "llm",
+        &[
+            job_with("late", serde_json::json!({"deadline_ms": now_ms() - 1000})),
+            job_with(
+                "runs-over",
+                serde_json::json!({"deadline_ms": now_ms() + 1500}),
+            ),
+        ],
+    )
+    .await;
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    let took = pushed.elapsed();
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r["late"]["status"], "expired", "{:?}", r["late"]);
+    assert!(
+        r["late"]["error"].contains("before any model call"),
+        "{:?}",
+        r["late"]
+    );
+    assert_eq!(calls_of(&sim, "late"), 0);
+    let over = &r["runs-over"];
+    assert_eq!(over["status"], "expired", "{over:?}");
+    assert!(over["error"].contains("aborted"), "{over:?}");
+    assert_eq!(calls_of(&sim, "runs-over"), 1);
+    assert!(
+        took >= Duration::from_millis(1300) && took < Duration::from_secs(6),
+        "expired at its deadline, not before nor much after: {took:?}"
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || async {
+            sim.sim.stats().in_flight == 0
+        })
+        .await,
+        "the provider still sees the aborted call"
+    );
+
+    // A deadline that is not a Unix time in ms is a clear `invalid`, not a silent default.
+    push(
+        &mut conn,
+        "llm",
+        &[job_with(
+            "bad-deadline",
+            serde_json::json!({"deadline_ms": "soon"}),
+        )],
+    )
+    .await;
+    context(wait_len(&mut conn, "{llm}:results", 3, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r["bad-deadline"]["status"], "invalid");
+    assert!(
+        r["bad-deadline"]["error"].contains("deadline_ms"),
+        "{:?}",
+        r["bad-deadline"]
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
