@@ -76,19 +76,16 @@ pub async fn master_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
     if cfg.redis.sentinel_master.is_empty() {
         return connection_info(cfg);
     }
+    // Every Sentinel at once, each bounded (one down must not slow a reconnect, which
+    // the shutdown's bounded steps may be waiting on); the first in list order that
+    // knows the master wins.
+    let answers =
+        futures::future::join_all(cfg.redis.urls.iter().map(|s| ask_sentinel(cfg, s))).await;
     let mut last = String::from("no Sentinel answered");
-    for sentinel in &cfg.redis.urls {
-        match ask_sentinel(cfg, sentinel).await {
+    for (sentinel, answer) in cfg.redis.urls.iter().zip(answers) {
+        match answer {
             Ok(Some((host, port))) => {
-                let mut url = url::Url::parse(&cfg.redis.url)
-                    .map_err(|e| ConnectError::Url(format!("redis.url: {e}")))?;
-                url.set_host(Some(&host))
-                    .and_then(|_| {
-                        url.set_port(Some(port))
-                            .map_err(|_| url::ParseError::InvalidPort)
-                    })
-                    .map_err(|e| ConnectError::Url(format!("master address {host}:{port}: {e}")))?;
-                return info_for_url(cfg, url.as_str());
+                return info_for_url(cfg, &master_url(&cfg.redis.url, &host, port)?);
             }
             Ok(None) => {
                 last = format!(
@@ -101,6 +98,21 @@ pub async fn master_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
         }
     }
     Err(ConnectError::Sentinel(last))
+}
+
+/// `url` with its host and port replaced by the master's (an IPv6 address bracketed).
+fn master_url(url: &str, host: &str, port: u16) -> Result<String, ConnectError> {
+    let mut u = url::Url::parse(url).map_err(|e| ConnectError::Url(format!("redis.url: {e}")))?;
+    let host = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    };
+    u.set_host(Some(&host))
+        .map_err(|e| ConnectError::Url(format!("master address {host}:{port}: {e}")))?;
+    u.set_port(Some(port))
+        .map_err(|_| ConnectError::Url(format!("master address {host}:{port}: no port")))?;
+    Ok(u.into())
 }
 
 /// `SENTINEL get-master-addr-by-name` on one Sentinel, bounded by 2 s.
@@ -138,7 +150,22 @@ async fn check_master(cfg: &Config, c: &mut MultiplexedConnection) -> Result<(),
     if cfg.redis.sentinel_master.is_empty() {
         return Ok(());
     }
-    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(c).await?;
+    let role: Vec<redis::Value> = match redis::cmd("ROLE").query_async(c).await {
+        Ok(r) => r,
+        // ROLE is in @dangerous: an ACL user without it cannot check; the Sentinel's answer
+        // is taken as it is (a demoted master still answers READONLY, which reconnects).
+        Err(e) if e.code() == Some("NOPERM") => {
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    "ROLE not allowed for this Redis user: the master the Sentinels name is used unchecked (grant +role to check it)"
+                );
+            }
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
     match role.first() {
         Some(redis::Value::BulkString(b)) if b.as_slice() == b"master" => Ok(()),
         _ => Err(ConnectError::Sentinel(
@@ -387,4 +414,27 @@ pub async fn scan_match<C: redis::aio::ConnectionLike + Send>(
     keys.sort();
     keys.dedup();
     Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_master_address_replaces_the_url_host_ipv6_bracketed() {
+        let u = master_url("rediss://worker@placeholder:6379/2", "10.0.0.5", 6380).unwrap();
+        assert_eq!(u, "rediss://worker@10.0.0.5:6380/2");
+        let u = master_url("redis://placeholder:6379", "fd00::5", 6379).unwrap();
+        assert_eq!(u, "redis://[fd00::5]:6379");
+        let u = master_url("redis://placeholder:6379", "::1", 7000).unwrap();
+        assert_eq!(u, "redis://[::1]:7000");
+        assert!(u.as_str().into_connection_info().is_ok());
+    }
+
+    #[test]
+    fn refused_credentials_are_told_from_an_absent_redis() {
+        assert!(refused_access("WRONGPASS invalid username-password pair"));
+        assert!(refused_access("NOPERM this user has no permissions"));
+        assert!(!refused_access("Connection refused (os error 111)"));
+    }
 }

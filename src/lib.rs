@@ -26,6 +26,7 @@ pub mod demo;
 pub mod gate;
 pub mod job;
 pub mod keycheck;
+pub mod letters;
 pub mod notify;
 pub mod outcome;
 pub mod provider;

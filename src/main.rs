@@ -7,6 +7,7 @@ use llm_worker::config::{Config, ConfigError, resolve_path};
 use llm_worker::shutdown::Shutdown;
 use llm_worker::{daemon, demo, sim, tools};
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -44,6 +45,24 @@ enum Cmd {
         /// The job's id (its `id` field, or its entry id when it had none).
         id: String,
     },
+    /// Dead letters ({ns}:dead) and copies of failed jobs ({ns}:failed): list, show,
+    /// replay, purge.
+    #[command(subcommand)]
+    Dead(DeadCmd),
+    /// Run a failed or dead job again, from its newest copy, keeping its id.
+    Retry {
+        /// The job's id.
+        id: String,
+    },
+    /// Delete every key of the namespace ({ns}:*): queue, results, letters, slots, totals.
+    Purge {
+        /// Do not ask; required when stdin is not a terminal.
+        #[arg(long)]
+        yes: bool,
+        /// Purge even while workers of the group were active within the last minute.
+        #[arg(long)]
+        force: bool,
+    },
     /// Validate the config and print it with secrets redacted.
     CheckConfig,
     /// A local OpenAI-compatible model server with settable latency, errors and token counts.
@@ -74,6 +93,54 @@ struct EnqueueArgs {
     /// JSONL file of payloads, one JSON object per line (`-` = stdin).
     #[arg(long)]
     file: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum DeadCmd {
+    /// The newest letters, newest first.
+    List {
+        /// The copies of failed jobs instead of the dead letters.
+        #[arg(long)]
+        failed: bool,
+        /// How many to show.
+        #[arg(long, default_value_t = 20)]
+        count: usize,
+    },
+    /// Every field of the letters of one job (a job id, its entry id, or the letter's id).
+    Show {
+        /// Job id, job entry id or letter entry id.
+        id: String,
+        /// Look among the copies of failed jobs instead of the dead letters.
+        #[arg(long)]
+        failed: bool,
+    },
+    /// Push letters again as jobs (keeping their id) and delete them.
+    Replay {
+        /// Job id, job entry id or letter entry id (or --all).
+        id: Option<String>,
+        /// Every letter of the stream.
+        #[arg(long, conflicts_with = "id")]
+        all: bool,
+        /// The copies of failed jobs instead of the dead letters.
+        #[arg(long)]
+        failed: bool,
+        /// Run them on this route of [routes].
+        #[arg(long)]
+        route: Option<String>,
+        /// Give each a new id (`<id>.retry-<unix ms>`), so it runs even if its id has an
+        /// ok result meanwhile.
+        #[arg(long)]
+        new_id: bool,
+    },
+    /// Delete letters older than a duration (`7d`, `12h`, `30m`).
+    Purge {
+        /// Age above which letters are deleted.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        older_than: Duration,
+        /// The copies of failed jobs instead of the dead letters.
+        #[arg(long)]
+        failed: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -157,6 +224,9 @@ fn main() -> ExitCode {
     rt.shutdown_timeout(Duration::from_millis(200));
     match r {
         Ok(code) => code,
+        // Output piped into `head` (or anything that stops reading): stop quietly, as
+        // command-line tools do.
+        Err(e) if broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::from(1)
@@ -290,6 +360,33 @@ async fn real_main(
                 }
             }
         }
+        Some(Cmd::Dead(d)) => {
+            let cfg = cfg.context("config")?;
+            dead_cmd(&cfg, d, &mut out).await
+        }
+        Some(Cmd::Retry { id }) => {
+            let cfg = cfg.context("config")?;
+            match llm_worker::letters::retry(&cfg, &id).await? {
+                llm_worker::letters::Retried::Pushed { letter, new_entry } => {
+                    writeln!(
+                        out,
+                        "job {id:?} pushed again as entry {new_entry} (from {} letter {}: {})",
+                        letter.which.name(),
+                        letter.entry,
+                        letter.letter.reason
+                    )?;
+                    Ok(ExitCode::SUCCESS)
+                }
+                llm_worker::letters::Retried::AlreadyOk => {
+                    eprintln!("job {id:?} already ended ok: nothing to retry");
+                    Ok(ExitCode::from(1))
+                }
+            }
+        }
+        Some(Cmd::Purge { yes, force }) => {
+            let cfg = cfg.context("config")?;
+            purge_cmd(&cfg, yes, force).await
+        }
         Some(Cmd::CheckConfig) => {
             let cfg = cfg.context("config")?;
             print!("{}", cfg.redacted_toml());
@@ -326,4 +423,203 @@ async fn real_main(
             Err(e) => Err(e.into()),
         },
     }
+}
+
+/// `dead list | show | replay | purge`.
+async fn dead_cmd(
+    cfg: &Config,
+    cmd: DeadCmd,
+    out: &mut impl std::io::Write,
+) -> anyhow::Result<ExitCode> {
+    use llm_worker::letters::{self, Which};
+    let which = |failed: bool| if failed { Which::Failed } else { Which::Dead };
+    match cmd {
+        DeadCmd::List { failed, count } => {
+            let w = which(failed);
+            let (list, bad) = letters::list(cfg, w, count).await?;
+            if list.is_empty() && bad == 0 {
+                writeln!(
+                    out,
+                    "no {} letters in {{{}}}:{}",
+                    w.name(),
+                    cfg.queue.namespace,
+                    w.name()
+                )?;
+                return Ok(ExitCode::SUCCESS);
+            }
+            writeln!(
+                out,
+                "{:<17} {:>8} {:<24} {:>5}  REASON",
+                "LETTER", "AGE", "JOB ID", "DELIV"
+            )?;
+            let now = llm_worker::cost::unix_now_ms();
+            for l in &list {
+                let age = Duration::from_secs(now.saturating_sub(l.at_ms()) / 1000);
+                let id = l
+                    .letter
+                    .job_id
+                    .clone()
+                    .unwrap_or_else(|| format!("({})", l.letter.job_entry));
+                writeln!(
+                    out,
+                    "{:<17} {:>8} {:<24} {:>5}  {}",
+                    l.entry,
+                    humantime::format_duration(age)
+                        .to_string()
+                        .split(' ')
+                        .next()
+                        .unwrap_or("0s"),
+                    id,
+                    l.letter.deliveries,
+                    l.letter.reason
+                )?;
+            }
+            if bad > 0 {
+                writeln!(out, "({bad} entries not written by llm-worker skipped)")?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadCmd::Show { id, failed } => {
+            let found = letters::find(cfg, which(failed), &id).await?;
+            if found.is_empty() {
+                eprintln!("no {} letter for {id:?}", which(failed).name());
+                return Ok(ExitCode::from(1));
+            }
+            for l in found {
+                let mut v = serde_json::json!({
+                    "letter": l.entry,
+                    "stream": l.which.name(),
+                    "job_entry": l.letter.job_entry,
+                    "job_id": l.letter.job_id,
+                    "reason": l.letter.reason,
+                    "deliveries": l.letter.deliveries,
+                });
+                let fields: serde_json::Map<String, serde_json::Value> = l
+                    .letter
+                    .original()
+                    .iter()
+                    .map(|(k, val)| {
+                        let text = String::from_utf8_lossy(val).into_owned();
+                        let parsed =
+                            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+                        (String::from_utf8_lossy(k).into_owned(), parsed)
+                    })
+                    .collect();
+                v["fields"] = serde_json::Value::Object(fields);
+                writeln!(out, "{}", serde_json::to_string_pretty(&v)?)?;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadCmd::Replay {
+            id,
+            all,
+            failed,
+            route,
+            new_id,
+        } => {
+            let w = which(failed);
+            let chosen = match (id, all) {
+                (Some(id), false) => letters::find(cfg, w, &id).await?,
+                (None, true) => {
+                    let mut every = vec![];
+                    loop {
+                        // Replayed letters are deleted, so each page is the next.
+                        let (page, _) = letters::list(cfg, w, 500).await?;
+                        if page.is_empty() {
+                            break;
+                        }
+                        let done = letters::replay(
+                            cfg,
+                            &page,
+                            &letters::Replay {
+                                route: route.clone(),
+                                new_id,
+                            },
+                        )
+                        .await?;
+                        every.extend(done);
+                    }
+                    for (letter, new) in &every {
+                        writeln!(out, "{letter} -> {new}")?;
+                    }
+                    writeln!(out, "replayed {} {} letters", every.len(), w.name())?;
+                    return Ok(ExitCode::SUCCESS);
+                }
+                _ => anyhow::bail!("dead replay: give a job id or --all"),
+            };
+            if chosen.is_empty() {
+                eprintln!("no {} letter for that id", w.name());
+                return Ok(ExitCode::from(1));
+            }
+            let done = letters::replay(cfg, &chosen, &letters::Replay { route, new_id }).await?;
+            for (letter, new) in &done {
+                writeln!(out, "{letter} -> {new}")?;
+            }
+            writeln!(out, "replayed {} {} letters", done.len(), w.name())?;
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadCmd::Purge { older_than, failed } => {
+            let w = which(failed);
+            let n = letters::purge_older(cfg, w, older_than).await?;
+            writeln!(
+                out,
+                "deleted {n} {} letters older than {}",
+                w.name(),
+                humantime::format_duration(older_than)
+            )?;
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// `purge`: every key of the namespace, after a check that no worker runs and a
+/// confirmation (typing the namespace, or --yes).
+async fn purge_cmd(cfg: &Config, yes: bool, force: bool) -> anyhow::Result<ExitCode> {
+    let ns = &cfg.queue.namespace;
+    let (keys, live) = llm_worker::letters::namespace_keys(cfg).await?;
+    if keys.is_empty() {
+        println!("namespace {ns:?} has no keys: nothing to purge");
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !live.is_empty() && !force {
+        eprintln!(
+            "refusing: {} worker(s) of group {:?} were active within the last minute ({}); stop them first, or pass --force",
+            live.len(),
+            cfg.queue.group,
+            live.join(", ")
+        );
+        return Ok(ExitCode::from(1));
+    }
+    if !yes {
+        if !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
+            eprintln!("refusing to purge without --yes (stdin is not a terminal to confirm on)");
+            return Ok(ExitCode::from(1));
+        }
+        eprint!(
+            "delete all {} keys of namespace {ns:?} (jobs, results, letters, slots, totals)? type the namespace to confirm: ",
+            keys.len()
+        );
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)?;
+        if line.trim() != ns {
+            eprintln!("not confirmed; nothing deleted");
+            return Ok(ExitCode::from(1));
+        }
+    }
+    let n = llm_worker::letters::delete_keys(cfg, &keys).await?;
+    println!("deleted {n} keys of namespace {ns:?}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Whether `e` is a write to a pipe whose reader has gone (`| head`).
+fn broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        let io = c
+            .downcast_ref::<std::io::Error>()
+            .or_else(|| match c.downcast_ref() {
+                Some(tools::ToolError::Io(io)) => Some(io),
+                _ => None,
+            });
+        io.is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }

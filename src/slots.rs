@@ -399,7 +399,7 @@ impl Slots {
         if ps.has_waiters() {
             return Ok(None);
         }
-        match try_take(&self.inner, ps, false, 1).await? {
+        match try_take_detached(&self.inner, pool, false).await? {
             Try::Got(mut i) => {
                 let (idx, value) = i.swap_remove(0);
                 Ok(Some(make_lease(&self.inner, ps, idx, value)))
@@ -428,7 +428,7 @@ impl Slots {
             // The driver may have served us while we waited for the lock; then the
             // lease is in `rx` already, and a try would only queue us for nothing.
             let tried = if ps.is_waiting(id) {
-                Some(try_take(inner, ps, true, 1).await)
+                Some(try_take_detached(inner, pool, true).await)
             } else {
                 None
             };
@@ -588,6 +588,33 @@ fn release_invoke(inner: &Inner, all: bool) -> redis::ScriptInvocation<'_> {
     inv
 }
 
+/// [`try_take`] of one slot for a caller that may be dropped mid-call (a job stopped by
+/// its cancel or deadline): the script runs in a task of its own, and a slot it took for
+/// a caller that is gone becomes a lease dropped at once (so released), instead of a key
+/// holding our token until its TTL.
+async fn try_take_detached(
+    inner: &Arc<Inner>,
+    pool: &str,
+    enqueue: bool,
+) -> Result<Try, SlotError> {
+    let (tx, rx) = oneshot::channel();
+    let (inner, pool) = (inner.clone(), pool.to_string());
+    tokio::spawn(async move {
+        let Some(ps) = inner.pools.get(&pool) else {
+            let _ = tx.send(Err(SlotError::UnknownPool(pool)));
+            return;
+        };
+        let r = try_take(&inner, ps, enqueue, 1).await;
+        if let Err(Ok(Try::Got(taken))) = tx.send(r) {
+            for (idx, value) in taken {
+                drop(make_lease(&inner, ps, idx, value));
+            }
+        }
+    });
+    rx.await
+        .unwrap_or_else(|_| Err(SlotError::Release("the acquire task ended".into())))
+}
+
 /// One acquire script: up to `want` free slots, or (`enqueue`) this process queued.
 async fn try_take(
     inner: &Inner,
@@ -613,6 +640,14 @@ async fn try_take(
     inv.arg(&prefix);
     let mut conn = inner.conn.get().await?;
     let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+    #[cfg(debug_assertions)]
+    if let Some(ms) = std::env::var("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        tracing::warn!(ms, "debug hook: slowing an acquire reply");
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     let (taken, wait) = (
         reply.first().copied().unwrap_or(0),
         reply.get(1).copied().unwrap_or(0),

@@ -39,7 +39,7 @@ async fn conn(cfg: &Config) -> Result<redis::aio::MultiplexedConnection, ToolErr
         .await
         .map_err(|e| match e {
             ConnectError::Timeout(_) => ToolError::Input(
-                "Redis did not answer within 3 s (is it running at redis.url?)".into(),
+                "Redis did not answer within 3 s (is it running at redis.url, or are the Sentinels of redis.urls reachable?)".into(),
             ),
             e => e.into(),
         })
@@ -241,7 +241,6 @@ fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::
     )
 }
 
-/// `results`: the last `count` results, or one job's, optionally following new ones.
 /// What `cancel` found.
 #[derive(Debug, PartialEq, Eq)]
 pub enum CancelOutcome {
@@ -277,6 +276,7 @@ pub async fn cancel(cfg: &Config, job_id: &str) -> Result<CancelOutcome, ToolErr
     Ok(CancelOutcome::Requested)
 }
 
+/// `results`: the last `count` results, or one job's, optionally following new ones.
 pub async fn results(
     cfg: &Config,
     job_id: Option<&str>,

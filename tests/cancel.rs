@@ -219,3 +219,112 @@ async fn deadlines_expire_a_job_not_started_and_abort_one_running_past_it() -> a
     stop_clean(&mut w, T).await;
     Ok(())
 }
+
+/// A call cut off by a deadline (or a cancel) may still be billed by the provider: like a
+/// call cut off by its timeout, its worst case stays counted in the budgets (settled,
+/// not left to lapse with its reservation), and the result says the cost is unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_call_stays_counted_at_its_worst_case_in_the_budget() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 60_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.extra = "[budgets.day]\nusd_per_day = \"100\"\n".into();
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "b.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "b1", &[]);
+    push(
+        &mut conn,
+        "llm",
+        &[job_with(
+            "cut",
+            serde_json::json!({"deadline_ms": now_ms() + 800}),
+        )],
+    )
+    .await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r["cut"]["status"], "expired", "{:?}", r["cut"]);
+    assert_eq!(calls_of(&sim, "cut"), 1);
+    assert!(
+        r["cut"].get("warning").is_some_and(|w| w.contains("cost")),
+        "the result says the aborted call's cost is unknown: {:?}",
+        r["cut"]
+    );
+    let keys = llm_worker::connect::scan_match(&mut conn, "{llm}:budget:day:*").await?;
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let spent_now = || {
+        let k = keys[0].clone();
+        let r = &redis;
+        async move {
+            let mut c = r.conn().await;
+            let s: Option<i64> = redis::cmd("HGET")
+                .arg(&k)
+                .arg("spent")
+                .query_async(&mut c)
+                .await
+                .unwrap_or(None);
+            s.unwrap_or(0)
+        }
+    };
+    assert!(
+        wait_for(Duration::from_secs(5), || async { spent_now().await > 0 }).await,
+        "the aborted call's worst case is not settled in the budget"
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+/// A job stopped while its slot acquisition is on the wire (the acquire script ran in
+/// Redis, its reply not yet read) does not strand the slot until its TTL: the slot it
+/// took is released as soon as the reply arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_stopped_during_its_slot_acquisition_strands_no_slot() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000; // a stranded slot would stay 30 s
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "s.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(
+        &cfg,
+        "s1",
+        &[("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS", "1500")],
+    );
+    push(
+        &mut conn,
+        "llm",
+        &[job_with(
+            "mid-acquire",
+            serde_json::json!({"deadline_ms": now_ms() + 500}),
+        )],
+    )
+    .await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(
+        r["mid-acquire"]["status"], "expired",
+        "{:?}",
+        r["mid-acquire"]
+    );
+    assert!(
+        w.log().contains("debug hook: slowing an acquire reply"),
+        "the hook ran: {}",
+        w.log()
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || async {
+            slot_keys(&mut redis.conn().await, "llm").await.is_empty()
+        })
+        .await,
+        "the slot taken by the stopped acquisition is stranded: {:?}",
+        slot_keys(&mut conn, "llm").await
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}

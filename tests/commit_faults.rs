@@ -33,6 +33,7 @@ fn result_commit(entry: &str, job_id: &str, status: &str, worker: &str) -> Commi
             ("worker", worker.as_bytes().to_vec()),
         ],
         dead: vec![],
+        dead_is_failed_copy: false,
         dedupe_id: Some(job_id.into()),
         inflight_id: Some(job_id.into()),
         status: status.into(),

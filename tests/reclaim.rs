@@ -27,6 +27,7 @@ fn idless_commit(entry: &str, worker: &str) -> Commit {
             ("worker", worker.as_bytes().to_vec()),
         ],
         dead: vec![],
+        dead_is_failed_copy: false,
         dedupe_id: None,
         inflight_id: None,
         status: "ok".into(),

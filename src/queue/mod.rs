@@ -98,6 +98,10 @@ pub struct Keys {
     pub jobs: String,
     pub results: String,
     pub dead: String,
+    /// Copies of jobs that ended `failed` (dead-letter shape, reason = the error), so
+    /// `llm-worker retry ID` and `dead replay --failed` can run them again; trimmed like
+    /// the dead stream.
+    pub failed: String,
     pub costs: String,
 }
 
@@ -108,6 +112,7 @@ impl Keys {
             jobs: format!("{prefix}:jobs"),
             results: format!("{prefix}:results"),
             dead: format!("{prefix}:dead"),
+            failed: format!("{prefix}:failed"),
             costs: format!("{prefix}:cost"),
             prefix,
         }
@@ -336,6 +341,9 @@ pub struct Commit {
     /// The dead-letter entry (empty: none). Field names are bytes: a dead letter carries
     /// the original entry's fields under their own names, whatever they are.
     pub dead: Vec<Field>,
+    /// `dead` goes to the failed-jobs stream (`{ns}:failed`) instead of `{ns}:dead`: the
+    /// copy of a `failed` job kept for a retry, not a dead letter.
+    pub dead_is_failed_copy: bool,
     /// The job id whose result marker to set (None: no marker).
     pub dedupe_id: Option<String>,
     /// The job id whose in-progress marker to clear if it is this entry's.
@@ -355,6 +363,7 @@ impl Commit {
             status: result.status.as_str().to_string(),
             result: result.into_fields(),
             dead: vec![],
+            dead_is_failed_copy: false,
             dedupe_id: None,
             inflight_id: None,
             costs: vec![],
@@ -532,9 +541,14 @@ impl Queue {
             0
         };
         let mut inv = self.commit_script.prepare_invoke();
+        let letters = if c.dead_is_failed_copy {
+            &self.keys.failed
+        } else {
+            &self.keys.dead
+        };
         inv.key(&self.keys.jobs)
             .key(&self.keys.results)
-            .key(&self.keys.dead)
+            .key(letters)
             .key(&self.keys.costs)
             .key(dedupe_key)
             .key(inflight_key)

@@ -86,6 +86,8 @@ pub(super) struct Spent {
     /// A provider call was started in this delivery: a hand-back of it counts as a
     /// delivery (`queue.max_deliveries`); one that never called a model does not.
     pub(super) called: bool,
+    /// A stop (cancel, deadline) aborted a call of this delivery after it was sent.
+    pub(super) aborted_call: bool,
     /// Worst cases of this delivery's calls whose cost is unknown (a success without
     /// usage, a call cut off after it was sent): counted against the job's
     /// `max_cost_usd`, not billed.

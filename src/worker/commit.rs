@@ -263,8 +263,10 @@ impl Worker {
                 result.error = Some(provider::one_line(&e));
             }
             Finished::Stopped(stop) => {
-                let when = if spent.attempts > 0 {
+                let when = if spent.aborted_call {
                     "its model call was aborted; what was billed before is counted"
+                } else if spent.attempts > 0 {
+                    "between model calls; what was billed before is counted"
                 } else {
                     "before any model call"
                 };
@@ -296,6 +298,14 @@ impl Worker {
         result.metadata = job.metadata.as_ref().map(|m| m.to_string());
         result.tenant = job.tenant.clone();
         result.trimmed_messages = spent.trimmed_messages;
+        // A failed job's payload is kept (in `{ns}:failed`) so it can be retried.
+        let failed_copy = match (status, &result.error) {
+            (ResultStatus::Failed, Some(e)) => {
+                let id = job.keyed.then_some(job.id.as_str());
+                DeadLetter::new(&d.entry_id, id, e, d.deliveries, d.fields.clone()).into_fields()
+            }
+            _ => vec![],
+        };
         if !bill.warnings.is_empty() {
             result.warning = Some(provider::one_line(&bill.warnings.join("; ")));
         }
@@ -307,6 +317,8 @@ impl Worker {
             dedupe_id: key.clone(),
             inflight_id: key,
             costs: bill.cost_fields(),
+            dead_is_failed_copy: !failed_copy.is_empty(),
+            dead: failed_copy,
             ..Commit::result_only(&d.entry_id, result)
         }
     }

@@ -370,6 +370,9 @@ impl Worker {
         let mut limited_since: Option<Instant> = None;
         // The job's place under its tenant's cap in the current model's pool, if capped.
         let mut place: Option<crate::tenants::TenantLease> = None;
+        // The call on the wire, if any: its model and its quota ticket. Outside the loop,
+        // so a stop that drops the loop mid-call still settles what the call may cost.
+        let on_wire: Mutex<Option<(String, Option<Ticket>)>> = Mutex::new(None);
         // The job's loop, raced against its stop switch. Dropping it on a stop aborts the
         // call in flight (the provider sees the connection close) and drops its slot lease,
         // tenant place and quota reservation, which release themselves (the reservation
@@ -555,7 +558,9 @@ impl Worker {
                     }
                 };
                 let call_started = Instant::now();
+                *lock(&on_wire) = Some((cand.model.clone(), ticket));
                 let outcome = client.call(&body, &job.id).await;
+                let ticket = lock(&on_wire).take().and_then(|(_, t)| t);
                 if lease.is_lost() {
                     tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
                 }
@@ -656,6 +661,22 @@ impl Worker {
             f = run => f?,
             why = self.stop_signal(&stop, job.deadline_ms) => Finished::Stopped(why),
         };
+        if let Some((model, ticket)) = lock(&on_wire).take() {
+            // Aborted after it was sent: the provider may bill it, like a call cut off by
+            // its timeout. Its worst case stays counted in the budgets (settled, not left
+            // to lapse); the bill counts the call, its cost unknown.
+            if let Some(t) = ticket {
+                self.settle_detached(t, None, None);
+            }
+            let mut s = lock(spent);
+            s.aborted_call = true;
+            if let Some(price) = self.prices.get(&model) {
+                s.bill.add(&model, None, price);
+            }
+            s.bill.warnings.push(format!(
+                "{model}: the call was aborted after it was sent; its cost is unknown and counted as 0 here (budgets keep its worst case)"
+            ));
+        }
         Some(self.finish(d, &job, finished, &lock(spent), started))
     }
 

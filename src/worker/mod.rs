@@ -41,7 +41,6 @@ use crate::router::RetryPolicy;
 use crate::slots::Slots;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -69,11 +68,10 @@ pub struct Worker {
     active: Mutex<HashMap<String, String>>,
     /// Entries whose task ended settled (committed, or found committed elsewhere), the
     /// last [`RECENTLY_FINISHED`] of them, with when: a reclaim racing that commit may
-    /// still return one, and it must not start again. Only for `queue.claim_idle_ms`
-    /// after the finish: a reclaim cannot race a commit for longer (its XAUTOCLAIM reply
-    /// is bounded by the command timeout), so an entry reclaimed later is one whose commit
-    /// Redis lost (a failover to a replica that had not received it, a restart from an
-    /// older snapshot) and must run again.
+    /// still return one, and it must not start again. Only a reclaim that began before
+    /// the finish can (see `is_active_or_finished`); an entry reclaimed by a later one
+    /// lost its commit in Redis (a failover to a replica that had not received it, a
+    /// restart from an older snapshot) and must run again.
     finished: Mutex<Recent>,
     /// Each running job's stop switch, by entry id: (job id, token). The cancel watcher
     /// ([`keepalive`]) fires the token of a job whose id got a cancel marker; the job's
@@ -227,13 +225,13 @@ pub const RECENTLY_FINISHED: usize = 4096;
 #[derive(Default)]
 struct Recent {
     order: VecDeque<String>,
-    set: HashMap<String, tokio::time::Instant>,
+    set: HashMap<String, Instant>,
 }
 
 impl Recent {
     fn insert(&mut self, entry: String) {
         if let Some(at) = self.set.get_mut(&entry) {
-            *at = tokio::time::Instant::now();
+            *at = Instant::now();
             return;
         }
         if self.order.len() >= RECENTLY_FINISHED
@@ -241,19 +239,20 @@ impl Recent {
         {
             self.set.remove(&old);
         }
-        self.set.insert(entry.clone(), tokio::time::Instant::now());
+        self.set.insert(entry.clone(), Instant::now());
         self.order.push_back(entry);
     }
 
-    /// Whether `entry` finished here less than `within` ago.
-    fn contains(&self, entry: &str, within: Duration) -> bool {
-        self.set.get(entry).is_some_and(|at| at.elapsed() < within)
+    /// Whether `entry` finished here at or after `since`.
+    fn since(&self, entry: &str, since: Instant) -> bool {
+        self.set.get(entry).is_some_and(|at| *at >= since)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn recent_keeps_the_last_entries_only() {
@@ -264,11 +263,11 @@ mod tests {
         r.insert(format!("{}-0", RECENTLY_FINISHED + 9));
         assert_eq!(r.order.len(), RECENTLY_FINISHED);
         assert_eq!(r.set.len(), RECENTLY_FINISHED);
-        let long = Duration::from_secs(3600);
-        assert!(!r.contains("9-0", long));
-        assert!(r.contains("10-0", long));
-        assert!(r.contains(&format!("{}-0", RECENTLY_FINISHED + 9), long));
-        // Past the window, a remembered entry no longer counts as finished here.
-        assert!(!r.contains("10-0", Duration::ZERO));
+        let long_ago = Instant::now() - Duration::from_secs(3600);
+        assert!(!r.since("9-0", long_ago));
+        assert!(r.since("10-0", long_ago));
+        assert!(r.since(&format!("{}-0", RECENTLY_FINISHED + 9), long_ago));
+        // Finished before a reclaim began: no longer counts as finished for it.
+        assert!(!r.since("10-0", Instant::now() + Duration::from_millis(1)));
     }
 }

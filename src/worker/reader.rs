@@ -129,6 +129,7 @@ impl Worker {
             // Take over jobs of stalled workers first (on start, then periodically).
             if Instant::now() >= next_reclaim {
                 next_reclaim = Instant::now() + reclaim_every;
+                let reclaim_began = Instant::now();
                 match self.queue.reclaim(permits.len()).await {
                     Ok(r) => {
                         for id in &r.deleted {
@@ -139,7 +140,7 @@ impl Worker {
                         let (ours, others): (Vec<Delivery>, Vec<Delivery>) = r
                             .deliveries
                             .into_iter()
-                            .partition(|d| self.is_active_or_finished(&d.entry_id));
+                            .partition(|d| self.is_active_or_finished(&d.entry_id, reclaim_began));
                         if !others.is_empty() {
                             tracing::info!(
                                 count = others.len(),
@@ -263,12 +264,15 @@ impl Worker {
         ));
     }
 
-    /// Running here, or settled here lately (the guard fills `finished` before it
-    /// leaves `active`, and this reads them in the opposite order, so an entry moving
-    /// from one to the other is always seen in one of them).
-    pub(super) fn is_active_or_finished(&self, entry_id: &str) -> bool {
-        lock(&self.active).contains_key(entry_id)
-            || lock(&self.finished).contains(entry_id, self.cfg.queue.claim_idle_ms)
+    /// Running here, or settled here since `since` (the start of the reclaim whose
+    /// reply is being sorted): a commit settled before the reclaim began had its XACK
+    /// executed before the XAUTOCLAIM, so it cannot be returned by it; one settled after
+    /// may be (the race this guards). An entry settled earlier and reclaimed anyway lost its
+    /// commit in Redis (a failover, a restart from an older snapshot) and runs again. (The
+    /// guard fills `finished` before it leaves `active`, and this reads them in the
+    /// opposite order, so an entry moving from one to the other is seen in one of them.)
+    pub(super) fn is_active_or_finished(&self, entry_id: &str, since: Instant) -> bool {
+        lock(&self.active).contains_key(entry_id) || lock(&self.finished).since(entry_id, since)
     }
 
     /// The reclaimer's sweep of consumers left by stopped workers (see

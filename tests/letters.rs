@@ -1,0 +1,234 @@
+//! The tools for jobs that did not end `ok`, against a real worker and Redis: a failed
+//! job's copy in `{ns}:failed` and `retry ID`; dead letters listed, shown, replayed on
+//! another route, purged by age; `purge` of a namespace (refused while workers run); and
+//! the CLI piped into `head` (quiet exit).
+
+mod common;
+
+use common::*;
+use llm_worker::sim::{Fault, Rule, SimOptions};
+use std::collections::HashMap;
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(20);
+
+fn fail_first(model: &str, n: u64) -> Rule {
+    Rule {
+        model: model.into(),
+        fault: Fault::Status { status: 503 },
+        probability: 1.0,
+        first_n: Some(n),
+    }
+}
+
+fn status_of(results: &[(String, HashMap<String, String>)], id: &str) -> Vec<String> {
+    results
+        .iter()
+        .filter(|(_, r)| r["job_id"] == id)
+        .map(|(_, r)| r["status"].clone())
+        .collect()
+}
+
+async fn cli(cfg: &std::path::Path, args: &[&str]) -> BinOutput {
+    let mut all = vec!["--config", cfg.to_str().unwrap()];
+    all.extend_from_slice(args);
+    run_bin_async(&all, &[], T).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_job_is_kept_and_retry_runs_it_again_under_its_id() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    // Every model fails the first job's 9 calls (3 attempts each), then answers.
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![
+            fail_first("m1", 3),
+            fail_first("m2", 3),
+            fail_first("m3", 3),
+        ],
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "l.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "l1", &[]);
+    push(&mut conn, "llm", &[job("unlucky", "hello")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
+    assert_eq!(
+        status_of(&entries(&mut conn, "{llm}:results").await, "unlucky"),
+        ["failed"]
+    );
+
+    let list = cli(&cfg, &["dead", "list", "--failed"]).await;
+    assert_eq!(list.code, Some(0), "{}", list.all());
+    assert!(
+        list.stdout
+            .lines()
+            .next()
+            .is_some_and(|h| h.contains("JOB ID")),
+        "{}",
+        list.all()
+    );
+    assert!(
+        list.stdout.contains("unlucky") && list.stdout.contains("503"),
+        "{}",
+        list.all()
+    );
+    let show = cli(&cfg, &["dead", "show", "unlucky", "--failed"]).await;
+    assert_eq!(show.code, Some(0), "{}", show.all());
+    let shown: serde_json::Value = serde_json::from_str(&show.stdout)?;
+    assert_eq!(shown["fields"]["payload"]["id"], "unlucky", "{shown}");
+
+    let retry = cli(&cfg, &["retry", "unlucky"]).await;
+    assert_eq!(retry.code, Some(0), "{}", retry.all());
+    assert!(retry.stdout.contains("pushed again"), "{}", retry.all());
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    assert_eq!(
+        status_of(&entries(&mut conn, "{llm}:results").await, "unlucky"),
+        ["failed", "ok"]
+    );
+    // The copy was used up; an ok id is not retried again.
+    let list = cli(&cfg, &["dead", "list", "--failed"]).await;
+    assert!(list.stdout.contains("no failed letters"), "{}", list.all());
+    let again = cli(&cfg, &["retry", "unlucky"]).await;
+    assert_eq!(again.code, Some(1), "{}", again.all());
+    assert!(again.stderr.contains("already ended ok"), "{}", again.all());
+    let none = cli(&cfg, &["retry", "never-pushed"]).await;
+    assert_eq!(none.code, Some(1), "{}", none.all());
+    assert!(none.stderr.contains("no copy of job"), "{}", none.all());
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_replayed_on_another_route_and_purged_by_age() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "d.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "d1", &[]);
+    let bad_route = serde_json::json!({"id": "lost-route", "route": "nope",
+        "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    let not_json = "this is not json".to_string();
+    push(&mut conn, "llm", &[bad_route, not_json]).await;
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    let list = cli(&cfg, &["dead", "list"]).await;
+    assert!(
+        list.stdout.contains("lost-route") && list.stdout.contains("unknown route"),
+        "{}",
+        list.all()
+    );
+
+    // A --route that is not configured is refused, naming the routes there are.
+    let wrong = cli(&cfg, &["dead", "replay", "lost-route", "--route", "nope"]).await;
+    assert_eq!(wrong.code, Some(1), "{}", wrong.all());
+    assert!(wrong.stderr.contains("default"), "{}", wrong.all());
+    let replay = cli(
+        &cfg,
+        &["dead", "replay", "lost-route", "--route", "default"],
+    )
+    .await;
+    assert_eq!(replay.code, Some(0), "{}", replay.all());
+    assert!(
+        replay.stdout.contains("replayed 1 dead letters"),
+        "{}",
+        replay.all()
+    );
+    context(wait_len(&mut conn, "{llm}:results", 3, T).await, &[&w])?;
+    assert_eq!(
+        status_of(&entries(&mut conn, "{llm}:results").await, "lost-route"),
+        ["invalid", "ok"]
+    );
+    // The not-JSON letter stays; --route cannot change it, and says why.
+    let (letters, _) = {
+        let c = tc.parsed();
+        llm_worker::letters::list(&c, llm_worker::letters::Which::Dead, 10).await?
+    };
+    assert_eq!(letters.len(), 1);
+    let odd = cli(
+        &cfg,
+        &["dead", "replay", &letters[0].entry, "--route", "default"],
+    )
+    .await;
+    assert_eq!(odd.code, Some(1), "{}", odd.all());
+    assert!(odd.stderr.contains("not a JSON object"), "{}", odd.all());
+
+    // Purge by age: nothing is older than an hour; everything is older than 1 s.
+    let keep = cli(&cfg, &["dead", "purge", "--older-than", "1h"]).await;
+    assert!(keep.stdout.contains("deleted 0"), "{}", keep.all());
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let gone = cli(&cfg, &["dead", "purge", "--older-than", "1s"]).await;
+    assert!(gone.stdout.contains("deleted 1"), "{}", gone.all());
+    assert_eq!(xlen(&mut conn, "{llm}:dead").await, 0);
+    let bad = cli(&cfg, &["dead", "purge", "--older-than", "-3d"]).await;
+    assert_eq!(
+        bad.code,
+        Some(2),
+        "a bad duration is a usage error: {}",
+        bad.all()
+    );
+    assert!(bad.stderr.contains("older-than"), "{}", bad.all());
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_refuses_while_workers_run_then_deletes_the_namespace() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "p.toml");
+    let mut conn = redis.conn().await;
+    // Another namespace's key must survive.
+    let _: () = redis::cmd("SET")
+        .arg("{other}:keep")
+        .arg(1)
+        .query_async(&mut conn)
+        .await?;
+    let mut w = WorkerProc::spawn(&cfg, "p1", &[]);
+    push(&mut conn, "llm", &jobs("p", 30)).await;
+    context(wait_len(&mut conn, "{llm}:results", 30, T).await, &[&w])?;
+
+    // Piped into `head`: the first line, then a quiet exit (no "Broken pipe").
+    let sh = format!(
+        "{} --config {} results --count 30 | head -n 1",
+        bin().display(),
+        cfg.display()
+    );
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&sh)
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("Broken pipe"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 1);
+
+    let refused = cli(&cfg, &["purge", "--yes"]).await;
+    assert_eq!(refused.code, Some(1), "{}", refused.all());
+    assert!(
+        refused.stderr.contains("p1"),
+        "names the live worker: {}",
+        refused.all()
+    );
+    let no_tty = cli(&cfg, &["purge", "--force"]).await;
+    assert_eq!(no_tty.code, Some(1), "{}", no_tty.all());
+    assert!(no_tty.stderr.contains("--yes"), "{}", no_tty.all());
+    stop_clean(&mut w, T).await;
+    let purged = cli(&cfg, &["purge", "--yes"]).await;
+    assert_eq!(purged.code, Some(0), "{}", purged.all());
+    let left = llm_worker::connect::scan_match(&mut conn, "{llm}:*").await?;
+    assert!(left.is_empty(), "{left:?}");
+    let other: Option<String> = redis::cmd("GET")
+        .arg("{other}:keep")
+        .query_async(&mut conn)
+        .await?;
+    assert_eq!(other.as_deref(), Some("1"));
+    let again = cli(&cfg, &["purge", "--yes"]).await;
+    assert!(again.stdout.contains("nothing to purge"), "{}", again.all());
+    Ok(())
+}
