@@ -119,6 +119,8 @@ pub async fn run(
     metrics::gauge!("llm_worker_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     // Shown from the start (at 0), not only after the first event.
     metrics::counter!("llm_worker_redis_reconnects_total").increment(0);
+    metrics::counter!("llm_worker_redis_errors_total").increment(0);
+    metrics::counter!("llm_worker_fallbacks_total").increment(0);
     metrics::gauge!("llm_worker_jobs_in_flight").set(0.0);
     // Queue length, group lag and pending, dead letters: sampled every 5 s (3 commands).
     let sampler = {

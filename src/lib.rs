@@ -43,6 +43,7 @@ pub mod state;
 pub mod sync;
 pub mod tenants;
 pub mod tools;
+pub mod wait;
 pub mod worker;
 
 #[cfg(test)]

@@ -88,11 +88,22 @@ struct EnqueueArgs {
     /// JSON copied to the result.
     #[arg(long)]
     metadata: Option<String>,
+    /// Cap on the answer's length, in tokens (the job's `max_tokens`).
     #[arg(long)]
     max_tokens: Option<u64>,
     /// JSONL file of payloads, one JSON object per line (`-` = stdin).
     #[arg(long)]
     file: Option<PathBuf>,
+    /// Wait for every job's result: print the content (one job) or one line per job;
+    /// exit 1 if a job did not end ok, 124 if the timeout ran out first.
+    #[arg(long)]
+    wait: bool,
+    /// With --wait: give up after this long (`30s`, `5m`); default: wait as long as it takes.
+    #[arg(long, value_parser = humantime::parse_duration, requires = "wait")]
+    timeout: Option<Duration>,
+    /// With --wait: write every result to this file as JSON lines, in input order.
+    #[arg(long, requires = "wait")]
+    output: Option<PathBuf>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -322,18 +333,27 @@ async fn real_main(
                 a.max_tokens,
                 file_text.as_deref(),
             )?;
-            tools::enqueue(&cfg, &payloads, &mut out).await?;
-            Ok(ExitCode::SUCCESS)
+            if !a.wait {
+                tools::enqueue(&cfg, &payloads, &mut out).await?;
+                return Ok(ExitCode::SUCCESS);
+            }
+            enqueue_wait(&cfg, &payloads, a.timeout, a.output.as_deref(), &mut out).await
         }
         Some(Cmd::Results(a)) => {
             let cfg = cfg.context("config")?;
             let found =
                 tools::results(&cfg, a.job.as_deref(), a.follow, a.count, a.json, &mut out).await?;
-            if !found {
-                eprintln!("no result for job {}", a.job.unwrap_or_default());
-                return Ok(ExitCode::from(1));
+            match found {
+                tools::Found::NoJob => {
+                    eprintln!("no result for job {}", a.job.unwrap_or_default());
+                    Ok(ExitCode::from(1))
+                }
+                // A job that did not end ok: its result is printed, and the exit says so.
+                tools::Found::Job(s) if s != Some(llm_worker::queue::ResultStatus::Ok) => {
+                    Ok(ExitCode::from(1))
+                }
+                _ => Ok(ExitCode::SUCCESS),
             }
-            Ok(ExitCode::SUCCESS)
         }
         Some(Cmd::Status { json }) => {
             let cfg = cfg.context("config")?;
@@ -621,5 +641,107 @@ fn broken_pipe(e: &anyhow::Error) -> bool {
                 _ => None,
             });
         io.is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+/// `enqueue --wait`: push, wait for each result (a progress bar on a terminal for more
+/// than one job), print or write them in input order.
+async fn enqueue_wait(
+    cfg: &Config,
+    payloads: &[String],
+    timeout: Option<Duration>,
+    output: Option<&std::path::Path>,
+    out: &mut impl Write,
+) -> anyhow::Result<ExitCode> {
+    // Drawn on stderr, and only when it is a terminal (indicatif hides it otherwise).
+    let bar = indicatif::ProgressBar::new(payloads.len() as u64);
+    if payloads.len() > 1 {
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} results  {per_sec}  eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+    } else {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let waited = llm_worker::wait::enqueue_and_wait(cfg, payloads, timeout, |done, _| {
+        bar.set_position(done as u64)
+    })
+    .await?;
+    bar.finish_and_clear();
+    let all_ok = waited.jobs.iter().all(|(_, r)| {
+        r.as_ref()
+            .is_some_and(|r| r.status == llm_worker::queue::ResultStatus::Ok)
+    });
+    if let Some(path) = output {
+        let mut f = std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot write {}", path.display()))?,
+        );
+        for (id, r) in &waited.jobs {
+            let line = match r {
+                Some(r) => tools::result_json(r),
+                None => {
+                    serde_json::json!({"job_id": id, "status": null, "error": "no result before the timeout"})
+                }
+            };
+            writeln!(f, "{line}")?;
+        }
+        f.flush()?;
+    }
+    if payloads.len() == 1 && output.is_none() {
+        match &waited.jobs[0] {
+            (_, Some(r)) => {
+                if let Some(c) = &r.content {
+                    writeln!(out, "{c}")?;
+                }
+                eprintln!(
+                    "{} {} cost_usd={} latency_ms={}{}",
+                    r.status,
+                    r.model.as_deref().unwrap_or("-"),
+                    r.cost_usd,
+                    r.latency_ms,
+                    r.error
+                        .as_ref()
+                        .map(|e| format!(" error: {e}"))
+                        .unwrap_or_default()
+                );
+            }
+            (id, None) => eprintln!("job {id:?}: no result before the timeout"),
+        }
+    } else if output.is_none() {
+        for (id, r) in &waited.jobs {
+            match r {
+                Some(r) => writeln!(
+                    out,
+                    "{id} {} {} {}",
+                    r.status,
+                    r.model.as_deref().unwrap_or("-"),
+                    r.cost_usd
+                )?,
+                None => writeln!(out, "{id} - - - (no result before the timeout)")?,
+            }
+        }
+    } else {
+        let ok = waited
+            .jobs
+            .iter()
+            .filter(|(_, r)| {
+                r.as_ref()
+                    .is_some_and(|r| r.status == llm_worker::queue::ResultStatus::Ok)
+            })
+            .count();
+        eprintln!(
+            "{} results written ({ok} ok)",
+            waited.jobs.iter().filter(|(_, r)| r.is_some()).count()
+        );
+    }
+    Ok(if waited.timed_out {
+        ExitCode::from(124)
+    } else if all_ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
     })
 }

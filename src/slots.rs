@@ -315,6 +315,8 @@ impl Slots {
                     metrics::counter!("llm_worker_pool_size_mismatch_total", "pool" => name.clone())
                         .increment(1);
                 }
+                // N in use, for dashboards (slots held against N).
+                metrics::gauge!("llm_worker_pool_slots", "pool" => name.clone()).set(size as f64);
                 pools.insert(
                     name.clone(),
                     PoolState {

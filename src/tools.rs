@@ -192,6 +192,19 @@ async fn find_result(cfg: &Config, job_id: &str) -> Result<Option<ResultRow>, To
     }
 }
 
+/// A result as one JSON object: every field as the stream holds it (strings), under its
+/// wire name (the shape of `schema/result.schema.json`).
+pub fn result_json(r: &ResultEntry) -> Value {
+    let mut o = Map::new();
+    for (k, v) in r.clone().into_fields() {
+        o.insert(k.into(), json!(String::from_utf8_lossy(&v)));
+    }
+    Value::Object(o)
+}
+
+/// The header of the `results` table (see [`print_result`]).
+const RESULTS_HEADER: &str = "ENTRY            JOB ID               STATUS    MODEL             TOKENS IN/OUT  COST USD      LATENCY  ANSWER OR ERROR";
+
 fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::Result<()> {
     let r = match &e.1 {
         Ok(r) => r,
@@ -207,13 +220,9 @@ fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::
         }
     };
     if as_json {
-        // Every field as the stream holds it (strings), under its wire name.
-        let mut o = Map::new();
-        o.insert("entry".into(), json!(e.0));
-        for (k, v) in r.clone().into_fields() {
-            o.insert(k.into(), json!(String::from_utf8_lossy(&v)));
-        }
-        return writeln!(out, "{}", Value::Object(o));
+        let mut o = result_json(r);
+        o["entry"] = json!(e.0);
+        return writeln!(out, "{o}");
     }
     let detail = if r.status == ResultStatus::Ok {
         r.content.as_deref()
@@ -226,13 +235,19 @@ fn print_result(e: &ResultRow, as_json: bool, out: &mut impl Write) -> std::io::
         .take(80)
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect();
+    // A copy of an id that already had a result repeats it, marked.
+    let dup = r
+        .duplicate_of
+        .as_ref()
+        .map(|d| format!("[duplicate of {d}] "))
+        .unwrap_or_default();
     writeln!(
         out,
-        "{}  {:<20} {:<7} {:<17} in={:<5} out={:<5} ${:<12} {}ms  {}",
+        "{:<16} {:<20} {:<9} {:<17} {:>6}/{:<6}  {:<13} {:>5}ms  {dup}{}",
         e.0,
         r.job_id,
         r.status.as_str(),
-        r.model.as_deref().unwrap_or_default(),
+        r.model.as_deref().unwrap_or("-"),
         r.input_tokens,
         r.output_tokens,
         cost::format_usd(r.cost_usd),
@@ -276,6 +291,17 @@ pub async fn cancel(cfg: &Config, job_id: &str) -> Result<CancelOutcome, ToolErr
     Ok(CancelOutcome::Requested)
 }
 
+/// What `results` found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Found {
+    /// A listing (no --job).
+    Listed,
+    /// The result of the job asked for, with its status (None: not readable).
+    Job(Option<ResultStatus>),
+    /// No result for the job asked for.
+    NoJob,
+}
+
 /// `results`: the last `count` results, or one job's, optionally following new ones.
 pub async fn results(
     cfg: &Config,
@@ -284,22 +310,32 @@ pub async fn results(
     count: usize,
     as_json: bool,
     out: &mut impl Write,
-) -> Result<bool, ToolError> {
+) -> Result<Found, ToolError> {
     let keys = Keys::new(&cfg.queue.namespace);
     if let Some(id) = job_id {
         loop {
             if let Some(e) = find_result(cfg, id).await? {
+                if !as_json {
+                    writeln!(out, "{RESULTS_HEADER}")?;
+                }
                 print_result(&e, as_json, out)?;
-                return Ok(true);
+                return Ok(Found::Job(e.1.as_ref().ok().map(|r| r.status)));
             }
             if !follow {
-                return Ok(false);
+                return Ok(Found::NoJob);
             }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
     let mut c = conn(cfg).await?;
     let r: Entries = c.xrevrange_count(&keys.results, "+", "-", count).await?;
+    if !as_json {
+        if r.0.is_empty() && !follow {
+            writeln!(out, "no results in {}", keys.results)?;
+            return Ok(Found::Listed);
+        }
+        writeln!(out, "{RESULTS_HEADER}")?;
+    }
     let mut last = "$".to_string();
     for e in r.0.into_iter().rev() {
         last = e.id.clone();
@@ -307,7 +343,7 @@ pub async fn results(
     }
     out.flush()?;
     if !follow {
-        return Ok(true);
+        return Ok(Found::Listed);
     }
     let mut bc = blocking_connection(cfg).await?;
     loop {
@@ -330,6 +366,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
     let jobs_len: u64 = c.xlen(&keys.jobs).await.unwrap_or(0);
     let results_len: u64 = c.xlen(&keys.results).await.unwrap_or(0);
     let dead_len: u64 = c.xlen(&keys.dead).await.unwrap_or(0);
+    let failed_len: u64 = c.xlen(&keys.failed).await.unwrap_or(0);
     let mut group = json!(null);
     let mut consumers = vec![];
     let groups: redis::RedisResult<redis::Value> = redis::cmd("XINFO")
@@ -488,6 +525,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         "consumers": consumers,
         "results": results_len,
         "dead_letters": dead_len,
+        "failed_kept": failed_len,
         "pools": pools,
         "cost": {"total_usd": cost::format_usd(cost::from_picos(total_picos)), "models": per_model},
         "budgets": budgets,
@@ -514,13 +552,23 @@ pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
         v["stream"].as_str().unwrap_or(""),
         v["jobs_in_stream"]
     )?;
-    writeln!(
-        out,
-        "group           {}  pending={} lag={}",
-        v["group"]["name"].as_str().unwrap_or("(none yet)"),
-        v["group"]["pending"],
-        v["group"]["lag"]
-    )?;
+    match v["group"]["name"].as_str() {
+        // No group yet: no worker has started on this namespace (or it was purged).
+        None => writeln!(
+            out,
+            "group           none yet: no worker has started on this namespace"
+        )?,
+        Some(name) => {
+            let num = |x: &Value| x.as_u64().map_or("unknown".to_string(), |n| n.to_string());
+            writeln!(
+                out,
+                "group           {name}  pending={} lag={}",
+                num(&v["group"]["pending"]),
+                // XINFO GROUPS has no lag before Redis 7 (or after some deletions).
+                num(&v["group"]["lag"])
+            )?
+        }
+    }
     for c in v["consumers"].as_array().into_iter().flatten() {
         writeln!(
             out,
@@ -532,6 +580,7 @@ pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
     }
     writeln!(out, "results         {}", v["results"])?;
     writeln!(out, "dead letters    {}", v["dead_letters"])?;
+    writeln!(out, "failed (kept)   {}", v["failed_kept"])?;
     if let Some(pools) = v["pools"].as_object() {
         for (name, p) in pools {
             let held = p["held"].as_array().map(|h| h.len()).unwrap_or(0);

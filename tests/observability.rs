@@ -65,6 +65,45 @@ async fn metrics_are_histograms_and_carry_cost_tokens_and_queue_gauges() {
         assert!(text.contains(name), "{name} missing from /metrics:\n{text}");
     }
     assert!(!text.contains("quantile="), "no summaries:\n{text}");
+    assert!(
+        text.contains("llm_worker_pool_slots{pool=\"default\"} 4"),
+        "N of each pool:\n{text}"
+    );
+    // The Grafana dashboard uses only metric names the worker really exports.
+    let exported: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let dash = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/grafana/llm-worker.json"),
+    )
+    .unwrap();
+    let dash_json: serde_json::Value = serde_json::from_str(&dash).expect("dashboard is JSON");
+    let mut used = std::collections::BTreeSet::new();
+    for panel in dash_json["panels"].as_array().expect("panels") {
+        for t in panel["targets"].as_array().expect("targets") {
+            let expr = t["expr"].as_str().expect("expr");
+            let mut rest = expr;
+            while let Some(i) = rest.find("llm_worker_") {
+                let name: String = rest[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[i + name.len()..];
+                used.insert(name);
+            }
+        }
+    }
+    assert!(used.len() >= 10, "{used:?}");
+    let missing: Vec<&String> = used
+        .iter()
+        .filter(|n| !exported.contains(n.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard uses metrics the worker does not export: {missing:?}\nexported: {exported:?}"
+    );
     for id in ["m-0", "m-1", "m-2"] {
         assert!(!text.contains(id), "a job id in a label:\n{text}");
     }

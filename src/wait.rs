@@ -1,0 +1,143 @@
+//! `enqueue --wait`: push jobs, then block until every one has its result.
+//!
+//! Invariant: no result is missed, however fast the worker: the position in the results
+//! stream is taken *before* the first XADD, and results are read from there on. A job
+//! is matched by its `id`, or, without one, by its entry id (which is then its job id).
+
+use crate::config::Config;
+use crate::connect::{blocking_connection, master_connection};
+use crate::queue::{Keys, ReadReply, ResultEntry};
+use crate::tools::ToolError;
+use std::collections::HashMap;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// What became of each pushed job, in input order.
+#[derive(Debug)]
+pub struct Waited {
+    /// (job id, its result if it arrived in time).
+    pub jobs: Vec<(String, Option<ResultEntry>)>,
+    /// The wait ended by the timeout with results missing.
+    pub timed_out: bool,
+}
+
+/// The job id a payload will carry: its `id` (string, or a number's text) if any.
+fn payload_id(payload: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(payload).ok()?;
+    match v.get("id")? {
+        serde_json::Value::String(s) if !s.is_empty() => Some(s.clone()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Pushes `payloads` and waits (up to `timeout`, if any) for each one's result.
+/// `progress(done, total)` is called as results arrive.
+pub async fn enqueue_and_wait(
+    cfg: &Config,
+    payloads: &[String],
+    timeout: Option<Duration>,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Waited, ToolError> {
+    let keys = Keys::new(&cfg.queue.namespace);
+    let mut c = master_connection(cfg, Some(Duration::from_secs(5))).await?;
+    // Where the results stream ends now (before any push).
+    let newest: crate::queue::Entries = redis::cmd("XREVRANGE")
+        .arg(&keys.results)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(&mut c)
+        .await?;
+    let mut last = newest
+        .0
+        .first()
+        .map_or_else(|| "0-0".to_string(), |e| e.id.clone());
+    let mut ids: Vec<String> = Vec::with_capacity(payloads.len());
+    for chunk in payloads.chunks(500) {
+        let mut pipe = redis::pipe();
+        for p in chunk {
+            pipe.cmd("XADD")
+                .arg(&keys.jobs)
+                .arg("*")
+                .arg("payload")
+                .arg(p);
+        }
+        let entries: Vec<String> = pipe.query_async(&mut c).await?;
+        for (p, entry) in chunk.iter().zip(entries) {
+            ids.push(payload_id(p).unwrap_or(entry));
+        }
+    }
+    let mut wanted: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, id) in ids.iter().enumerate() {
+        wanted.entry(id.as_str()).or_default().push(i);
+    }
+    let mut got: Vec<Option<ResultEntry>> = vec![None; ids.len()];
+    let mut done = 0;
+    progress(0, ids.len());
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let mut bc = blocking_connection(cfg).await?;
+    while done < ids.len() {
+        let block = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                left.min(Duration::from_secs(1))
+            }
+            None => Duration::from_secs(1),
+        };
+        let read: ReadReply = redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(500)
+            .arg("BLOCK")
+            .arg(block.as_millis().max(1) as u64)
+            .arg("STREAMS")
+            .arg(&keys.results)
+            .arg(&last)
+            .query_async(&mut bc)
+            .await?;
+        for e in read.0 {
+            last = e.id.clone();
+            let fields = e.fields.unwrap_or_default();
+            let Ok(r) = ResultEntry::from_fields(
+                fields.iter().map(|(k, v)| (String::from_utf8_lossy(k), v)),
+            ) else {
+                continue;
+            };
+            if let Some(slots) = wanted.get(r.job_id.as_str()) {
+                for &i in slots {
+                    if got[i].is_none() {
+                        got[i] = Some(r.clone());
+                        done += 1;
+                    }
+                }
+                progress(done, ids.len());
+            }
+        }
+    }
+    let timed_out = done < ids.len();
+    Ok(Waited {
+        jobs: ids.into_iter().zip(got).collect(),
+        timed_out,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_payload_id_is_its_id_field_text_or_number() {
+        assert_eq!(
+            payload_id(r#"{"id":"a","messages":[]}"#).as_deref(),
+            Some("a")
+        );
+        assert_eq!(payload_id(r#"{"id":7}"#).as_deref(), Some("7"));
+        assert_eq!(payload_id(r#"{"id":""}"#), None);
+        assert_eq!(payload_id(r#"{"messages":[]}"#), None);
+        assert_eq!(payload_id("not json"), None);
+    }
+}
