@@ -44,6 +44,7 @@ pub mod sync;
 pub mod tenants;
 pub mod tools;
 pub mod wait;
+pub mod watch;
 pub mod worker;
 
 #[cfg(test)]

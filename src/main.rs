@@ -19,7 +19,8 @@ use std::time::Duration;
     about = "Queue-driven LLM worker: Redis stream in, results with exact cost out"
 )]
 struct Cli {
-    /// Config file (else $LLM_WORKER_CONFIG, else config/default.toml).
+    /// Config file (else $LLM_WORKER_CONFIG, else config/default.toml; `demo` uses its
+    /// built-in config/demo.toml unless this is given; `sim-provider` takes none).
     #[arg(long, global = true)]
     config: Option<PathBuf>,
     #[command(subcommand)]
@@ -36,8 +37,16 @@ enum Cmd {
     Results(ResultsArgs),
     /// Queue length, pending, consumers, held slots and holders, dead letters, cost totals.
     Status {
-        #[arg(long)]
+        /// One JSON object (the stable shape README documents), for scripts.
+        #[arg(long, conflicts_with = "watch")]
         json: bool,
+        /// A live view refreshed every second (q to quit); plain status lines every
+        /// second when stdout is not a terminal.
+        #[arg(long)]
+        watch: bool,
+        /// With --watch: stop after this many refreshes.
+        #[arg(long, requires = "watch")]
+        count: Option<u64>,
     },
     /// Cancel a job by id: queued, it ends `cancelled` with no model call; running, its
     /// call is aborted wherever in the fleet it runs (within about a second).
@@ -67,11 +76,13 @@ enum Cmd {
     CheckConfig,
     /// A local OpenAI-compatible model server with settable latency, errors and token counts.
     SimProvider(sim::SimArgs),
-    /// A self-contained run: simulated provider, sample jobs, results table, clean shutdown.
+    /// A self-contained run: simulated provider, sample jobs, results table, clean shutdown
+    /// (on the built-in config/demo.toml unless --config is given).
     Demo(demo::DemoArgs),
 }
 
 #[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
 struct EnqueueArgs {
     /// A user message; repeat for several jobs.
     #[arg(long)]
@@ -88,9 +99,9 @@ struct EnqueueArgs {
     /// JSON copied to the result.
     #[arg(long)]
     metadata: Option<String>,
-    /// Cap on the answer's length, in tokens (the job's `max_tokens`).
-    #[arg(long)]
-    max_tokens: Option<u64>,
+    /// Cap on the answer's length, in tokens (the job's `max_tokens`, at least 1).
+    #[arg(long, value_parser = clap::value_parser!(i64).range(1..))]
+    max_tokens: Option<i64>,
     /// JSONL file of payloads, one JSON object per line (`-` = stdin).
     #[arg(long)]
     file: Option<PathBuf>,
@@ -155,6 +166,7 @@ enum DeadCmd {
 }
 
 #[derive(Args, Debug)]
+#[command(allow_negative_numbers = true)]
 struct ResultsArgs {
     /// Keep printing new results as they arrive.
     #[arg(long)]
@@ -165,9 +177,9 @@ struct ResultsArgs {
     /// One JSON object per line.
     #[arg(long)]
     json: bool,
-    /// How many of the latest results to show.
-    #[arg(long, default_value_t = 20)]
-    count: usize,
+    /// How many of the latest results to show (at least 1).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(i64).range(1..))]
+    count: i64,
 }
 
 fn env_map() -> HashMap<String, String> {
@@ -200,6 +212,12 @@ fn init_tracing(format: &str, level: &str) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let env = env_map();
+    if matches!(cli.cmd, Some(Cmd::SimProvider(_))) && cli.config.is_some() {
+        eprintln!(
+            "error: sim-provider takes no --config (it is a model server, not a worker); set it up with its own flags (see sim-provider --help)"
+        );
+        return ExitCode::from(2);
+    }
     let needs_config = !matches!(cli.cmd, Some(Cmd::SimProvider(_)) | Some(Cmd::Demo(_)));
     let cfg = if needs_config {
         match load_config(&cli, &env) {
@@ -281,7 +299,10 @@ async fn real_main(
             }
             let shutdown = Shutdown::new();
             shutdown
-                .listen_for_signals(cfg.worker.shutdown_grace_ms)
+                .listen_for_signals(
+                    cfg.worker.shutdown_grace_ms,
+                    "stopping: no new jobs; draining in-flight jobs",
+                )
                 .context("installing signal handlers")?;
             let mut cfg = cfg;
             match llm_worker::keycheck::check(&cfg).await {
@@ -330,7 +351,7 @@ async fn real_main(
                 a.route.as_deref(),
                 a.id.as_deref(),
                 a.metadata.as_deref(),
-                a.max_tokens,
+                a.max_tokens.map(|t| t as u64),
                 file_text.as_deref(),
             )?;
             if !a.wait {
@@ -341,8 +362,15 @@ async fn real_main(
         }
         Some(Cmd::Results(a)) => {
             let cfg = cfg.context("config")?;
-            let found =
-                tools::results(&cfg, a.job.as_deref(), a.follow, a.count, a.json, &mut out).await?;
+            let found = tools::results(
+                &cfg,
+                a.job.as_deref(),
+                a.follow,
+                a.count as usize,
+                a.json,
+                &mut out,
+            )
+            .await?;
             match found {
                 tools::Found::NoJob => {
                     eprintln!("no result for job {}", a.job.unwrap_or_default());
@@ -355,7 +383,14 @@ async fn real_main(
                 _ => Ok(ExitCode::SUCCESS),
             }
         }
-        Some(Cmd::Status { json }) => {
+        Some(Cmd::Status {
+            watch: true, count, ..
+        }) => {
+            let cfg = cfg.context("config")?;
+            llm_worker::watch::run(&cfg, count).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Cmd::Status { json, .. }) => {
             let cfg = cfg.context("config")?;
             let v = tools::status(&cfg).await?;
             if json {
@@ -429,7 +464,7 @@ async fn real_main(
         Some(Cmd::SimProvider(a)) => {
             init_tracing("text", "info");
             let shutdown = Shutdown::new();
-            shutdown.listen_for_signals(Duration::ZERO)?;
+            shutdown.listen_for_signals(Duration::ZERO, "stopping the simulated provider")?;
             let token = shutdown.stop.clone();
             sim::run_cli(a, token).await?;
             Ok(ExitCode::SUCCESS)

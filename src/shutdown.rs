@@ -42,10 +42,12 @@ impl Shutdown {
     }
 
     /// Installs the signal handlers and returns at once; the returned task ends after
-    /// the second signal (or never).
+    /// the second signal (or never). `stopping` is what the first signal's log line says
+    /// happens next (the worker drains jobs; the simulated provider just stops).
     pub fn listen_for_signals(
         &self,
         grace: Duration,
+        stopping: &'static str,
     ) -> std::io::Result<tokio::task::JoinHandle<()>> {
         // SIGTERM: what systemd and Kubernetes send to stop a service.
         // SIGINT: Ctrl-C from a person running the worker in a terminal.
@@ -60,7 +62,7 @@ impl Shutdown {
                     tracing::info!(
                         signal = name,
                         grace_ms = grace.as_millis() as u64,
-                        "stopping: no new jobs; draining in-flight jobs"
+                        "{stopping}"
                     );
                     me.begin(grace);
                 } else {

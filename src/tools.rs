@@ -367,6 +367,23 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
     let results_len: u64 = c.xlen(&keys.results).await.unwrap_or(0);
     let dead_len: u64 = c.xlen(&keys.dead).await.unwrap_or(0);
     let failed_len: u64 = c.xlen(&keys.failed).await.unwrap_or(0);
+    // Entries ever added to the jobs and results streams (Redis >= 7): the watch view's
+    // rates in and out.
+    let mut added = [json!(null), json!(null)];
+    for (slot, stream) in added.iter_mut().zip([&keys.jobs, &keys.results]) {
+        let info: redis::RedisResult<redis::Value> = redis::cmd("XINFO")
+            .arg("STREAM")
+            .arg(stream)
+            .query_async(&mut c)
+            .await;
+        if let Ok(v) = info {
+            let m = crate::queue::reply::flat_map(v);
+            if let Some(n) = m.get("entries-added").and_then(|s| s.parse::<u64>().ok()) {
+                *slot = json!(n);
+            }
+        }
+    }
+    let [jobs_added, results_added] = added;
     let mut group = json!(null);
     let mut consumers = vec![];
     let groups: redis::RedisResult<redis::Value> = redis::cmd("XINFO")
@@ -526,6 +543,8 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         "results": results_len,
         "dead_letters": dead_len,
         "failed_kept": failed_len,
+        "jobs_added": jobs_added,
+        "results_added": results_added,
         "pools": pools,
         "cost": {"total_usd": cost::format_usd(cost::from_picos(total_picos)), "models": per_model},
         "budgets": budgets,

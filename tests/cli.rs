@@ -561,3 +561,56 @@ async fn results_and_status_survive_a_field_name_that_is_not_utf8() {
         (1.into(), 1.into())
     );
 }
+
+/// The CLI as a new user meets it: negative numbers are named, the demo's help names
+/// the config it really uses, sim-provider refuses a --config it would ignore, and status
+/// on an empty namespace says so instead of printing nulls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_says_what_is_wrong_in_words() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(llm_worker::sim::SimOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "c.toml");
+    let cfg_s = cfg.to_str().unwrap();
+    let out = run_bin_async(
+        &[
+            "--config",
+            cfg_s,
+            "enqueue",
+            "--prompt",
+            "x",
+            "--max-tokens",
+            "-5",
+        ],
+        &[],
+        T,
+    )
+    .await;
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(
+        out.stderr.contains("--max-tokens") && out.stderr.contains("-5 is not in 1.."),
+        "{}",
+        out.all()
+    );
+    let out = run_bin_async(&["--config", cfg_s, "results", "--count", "0"], &[], T).await;
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    let out = run_bin_async(&["demo", "--help"], &[], T).await;
+    assert!(out.stdout.contains("config/demo.toml"), "{}", out.all());
+    let out = run_bin_async(&["--config", cfg_s, "sim-provider"], &[], T).await;
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(out.stderr.contains("takes no --config"), "{}", out.all());
+    let out = run_bin_async(&["--config", cfg_s, "status"], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stdout.contains("no worker has started"),
+        "{}",
+        out.all()
+    );
+    assert!(!out.stdout.contains("null"), "{}", out.all());
+    let out = run_bin_async(&["--config", cfg_s, "results"], &[], T).await;
+    assert!(
+        out.stdout.contains("no results in {llm}:results"),
+        "{}",
+        out.all()
+    );
+}
