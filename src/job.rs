@@ -122,7 +122,7 @@ pub fn parse(
     }
     let text = std::str::from_utf8(bytes).map_err(|e| JobError::NotUtf8(e.valid_up_to()))?;
     let v: Value = serde_json::from_str(text).map_err(|e| JobError::NotJson(e.to_string()))?;
-    let Value::Object(body) = v else {
+    let Value::Object(mut body) = v else {
         return Err(JobError::NotObject(kind(&v)));
     };
     let messages = body.get("messages").ok_or(JobError::NoMessages)?;
@@ -178,13 +178,23 @@ pub fn parse(
     };
     let keyed = given.is_some();
     let id = given.unwrap_or_else(|| entry_id.to_string());
-    if id.len() > 512 {
-        return Err(bad("id", "must be at most 512 bytes"));
+    // Characters, as JSON Schema's maxLength counts (schema/job.schema.json).
+    if id.chars().count() > 512 {
+        return Err(bad("id", "must be at most 512 characters"));
     }
+    let mut whole_tokens: Vec<(&str, u64)> = vec![];
     for f in ["max_tokens", "max_completion_tokens"] {
         match body.get(f) {
             None | Some(Value::Null) => {}
             Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n > 0) => {}
+            // 10.0 is an integer to JSON Schema (and to producers computing it): sent on
+            // as 10, which every provider takes.
+            Some(Value::Number(n))
+                if n.as_f64()
+                    .is_some_and(|x| x.fract() == 0.0 && (1.0..9.0e15).contains(&x)) =>
+            {
+                whole_tokens.push((f, n.as_f64().unwrap_or(1.0) as u64));
+            }
             Some(other) => {
                 return Err(bad(
                     f,
@@ -264,23 +274,32 @@ pub fn parse(
     };
     let deadline_ms = match body.get("deadline_ms") {
         None | Some(Value::Null) => None,
-        Some(Value::Number(n)) => Some(n.as_u64().ok_or_else(|| {
-            bad(
-                "deadline_ms",
-                format!("must be a Unix time in ms (a non-negative integer), got {n}"),
-            )
-        })?),
+        // Any non-negative number (producers often compute ms as floats); a fraction of a
+        // ms is dropped.
+        Some(Value::Number(n)) => Some(
+            n.as_u64()
+                .or_else(|| n.as_f64().filter(|x| *x >= 0.0).map(|x| x as u64))
+                .ok_or_else(|| {
+                    bad(
+                        "deadline_ms",
+                        format!("must be a Unix time in ms (a non-negative number), got {n}"),
+                    )
+                })?,
+        ),
         Some(other) => {
             return Err(bad(
                 "deadline_ms",
                 format!(
-                    "must be a Unix time in ms (a non-negative integer), got {}",
+                    "must be a Unix time in ms (a non-negative number), got {}",
                     kind(other)
                 ),
             ));
         }
     };
     let metadata = body.get("metadata").filter(|m| !m.is_null()).cloned();
+    for (f, n) in whole_tokens {
+        body.insert(f.to_string(), Value::from(n));
+    }
     Ok(Job {
         id,
         keyed,
@@ -301,7 +320,7 @@ pub fn parse(
 pub fn salvage_id(payload: Option<&[u8]>) -> Option<String> {
     let v: Value = serde_json::from_slice(payload?).ok()?;
     match v.get("id")? {
-        Value::String(s) if !s.is_empty() && s.len() <= 512 => Some(s.clone()),
+        Value::String(s) if !s.is_empty() && s.chars().count() <= 512 => Some(s.clone()),
         Value::Number(n) => Some(n.to_string()),
         _ => None,
     }

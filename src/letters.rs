@@ -2,7 +2,8 @@
 //! payloads, poison jobs) and the copies of failed jobs (`{ns}:failed`): list, show,
 //! replay, purge by age; `retry ID`; and `purge` of a whole namespace.
 //!
-//! Invariant: a replay re-enqueues a letter and deletes it in one MULTI/EXEC, so a job is
+//! Invariant: a replay re-enqueues a letter and deletes it in one script that does nothing
+//! when the letter is gone (`lua/replay.lua`), so a letter is pushed at most once; a job is
 //! never both still a letter and pushed again by the same replay; a replay keeps the job's
 //! `id` unless asked (`--new-id`), so an id that meanwhile ended `ok` is answered as a
 //! duplicate rather than paid again.
@@ -122,6 +123,54 @@ pub async fn list(
     Ok((letters, bad))
 }
 
+/// The newest letter of each job among `letters` (a failed id pushed again can have
+/// several copies; replaying them all would run it several times).
+pub fn newest_per_job(letters: Vec<Letter>) -> Vec<Letter> {
+    let mut best: std::collections::HashMap<String, Letter> = std::collections::HashMap::new();
+    for l in letters {
+        let key = l
+            .letter
+            .job_id
+            .clone()
+            .unwrap_or_else(|| l.letter.job_entry.clone());
+        match best.get(&key) {
+            Some(b) if b.entry >= l.entry && b.at_ms() >= l.at_ms() => {}
+            _ => {
+                best.insert(key, l);
+            }
+        }
+    }
+    let mut out: Vec<Letter> = best.into_values().collect();
+    out.sort_by_key(|l| std::cmp::Reverse(l.at_ms()));
+    out
+}
+
+/// Up to `count` letters of `which` from the oldest, none newer than `upto` (an entry
+/// id): `dead replay --all` takes the letters there were when it started, page by page,
+/// never the ones written since (its own replays failing again).
+pub async fn oldest_upto(
+    cfg: &Config,
+    which: Which,
+    upto: &str,
+    count: usize,
+) -> Result<Vec<Letter>, LetterError> {
+    let keys = Keys::new(&cfg.queue.namespace);
+    let mut c = conn(cfg).await?;
+    let got: Entries = redis::cmd("XRANGE")
+        .arg(which.key(&keys))
+        .arg("-")
+        .arg(upto)
+        .arg("COUNT")
+        .arg(count)
+        .query_async(&mut c)
+        .await?;
+    Ok(got
+        .0
+        .into_iter()
+        .filter_map(|e| decode(e, which).ok())
+        .collect())
+}
+
 /// Every letter of `which` matching `id` (its own entry id, its job id or its job's entry
 /// id), newest first, read in pages of 1000 from the newest.
 pub async fn find(cfg: &Config, which: Which, id: &str) -> Result<Vec<Letter>, LetterError> {
@@ -197,10 +246,11 @@ fn replay_payload(l: &Letter, how: &Replay) -> Result<Vec<u8>, LetterError> {
     Ok(serde_json::to_vec(&v).unwrap_or_else(|_| raw.to_vec()))
 }
 
-/// Re-enqueues each letter (as changed by `how`) and deletes it, each in one MULTI/EXEC;
-/// also deletes the cancel marker of its id (a replay is a new request to run it).
-/// Returns (letter entry, new job entry) per letter. Stops at the first that cannot be
-/// replayed (the ones before it are done).
+/// Re-enqueues each letter (as changed by `how`) and deletes it, each in one script
+/// (`lua/replay.lua`) that does nothing if the letter is gone (another replay took it);
+/// also clears the cancel marker of its id (a replay is a new request to run it).
+/// Returns (letter entry, new job entry) per letter pushed. Stops at the first that cannot
+/// be replayed (the ones before it are done).
 pub async fn replay(
     cfg: &Config,
     letters: &[Letter],
@@ -219,22 +269,24 @@ pub async fn replay(
     let mut done = vec![];
     for l in letters {
         let payload = replay_payload(l, how)?;
-        let mut pipe = redis::pipe();
-        pipe.atomic()
-            .cmd("XADD")
-            .arg(&keys.jobs)
-            .arg("*")
-            .arg("payload")
-            .arg(payload)
-            .cmd("XDEL")
-            .arg(l.which.key(&keys))
+        // A job without an id has no cancel marker to clear: a key under the letter's
+        // own entry id, which no cancel ever sets, stands in.
+        let cancel = match &l.letter.job_id {
+            Some(id) => keys.cancel(id),
+            None => format!("{}:replay-none:{}", keys.prefix, l.entry),
+        };
+        let new: Option<String> = crate::scripts::REPLAY
+            .prepare_invoke()
+            .key(l.which.key(&keys))
+            .key(&keys.jobs)
+            .key(cancel)
             .arg(&l.entry)
-            .ignore();
-        if let Some(id) = &l.letter.job_id {
-            pipe.cmd("DEL").arg(keys.cancel(id)).ignore();
+            .arg(payload)
+            .invoke_async(&mut c)
+            .await?;
+        if let Some(new) = new {
+            done.push((l.entry.clone(), new));
         }
-        let (new,): (String,) = pipe.query_async(&mut c).await?;
-        done.push((l.entry.clone(), new));
     }
     Ok(done)
 }
@@ -260,6 +312,9 @@ pub enum Retried {
     Pushed { letter: Letter, new_entry: String },
     /// The id already has an `ok` result: nothing to retry.
     AlreadyOk,
+    /// A copy of the id is running now (its in-progress marker): retrying would run it
+    /// twice if that one fails.
+    Running,
 }
 
 /// Re-runs job `id` from its newest letter (dead or failed copy), keeping its id.
@@ -272,6 +327,13 @@ pub async fn retry(cfg: &Config, id: &str) -> Result<Retried, LetterError> {
         .await?;
     if marker.is_some_and(|m| m.rsplit_once('|').is_none_or(|(_, s)| s == "ok")) {
         return Ok(Retried::AlreadyOk);
+    }
+    let running: bool = redis::cmd("EXISTS")
+        .arg(keys.inflight(id))
+        .query_async(&mut c)
+        .await?;
+    if running {
+        return Ok(Retried::Running);
     }
     let mut all = find(cfg, Which::Failed, id).await?;
     all.extend(find(cfg, Which::Dead, id).await?);

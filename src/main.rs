@@ -44,9 +44,10 @@ enum Cmd {
         /// second when stdout is not a terminal.
         #[arg(long)]
         watch: bool,
-        /// With --watch: stop after this many refreshes.
-        #[arg(long, requires = "watch")]
-        count: Option<u64>,
+        /// With --watch: stop after this many refreshes (at least 1).
+        #[arg(long, requires = "watch", allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i64).range(1..))]
+        count: Option<i64>,
     },
     /// Cancel a job by id: queued, it ends `cancelled` with no model call; running, its
     /// call is aborted wherever in the fleet it runs (within about a second).
@@ -124,9 +125,10 @@ enum DeadCmd {
         /// The copies of failed jobs instead of the dead letters.
         #[arg(long)]
         failed: bool,
-        /// How many to show.
-        #[arg(long, default_value_t = 20)]
-        count: usize,
+        /// How many to show (at least 1).
+        #[arg(long, default_value_t = 20, allow_negative_numbers = true,
+              value_parser = clap::value_parser!(i64).range(1..))]
+        count: i64,
     },
     /// Every field of the letters of one job (a job id, its entry id, or the letter's id).
     Show {
@@ -387,7 +389,7 @@ async fn real_main(
             watch: true, count, ..
         }) => {
             let cfg = cfg.context("config")?;
-            llm_worker::watch::run(&cfg, count).await?;
+            llm_worker::watch::run(&cfg, count.map(|c| c as u64)).await?;
             Ok(ExitCode::SUCCESS)
         }
         Some(Cmd::Status { json, .. }) => {
@@ -434,6 +436,12 @@ async fn real_main(
                 }
                 llm_worker::letters::Retried::AlreadyOk => {
                     eprintln!("job {id:?} already ended ok: nothing to retry");
+                    Ok(ExitCode::from(1))
+                }
+                llm_worker::letters::Retried::Running => {
+                    eprintln!(
+                        "job {id:?} is running now (a copy pushed again): wait for its result, then retry if it fails"
+                    );
                     Ok(ExitCode::from(1))
                 }
             }
@@ -491,7 +499,7 @@ async fn dead_cmd(
     match cmd {
         DeadCmd::List { failed, count } => {
             let w = which(failed);
-            let (list, bad) = letters::list(cfg, w, count).await?;
+            let (list, bad) = letters::list(cfg, w, count as usize).await?;
             if list.is_empty() && bad == 0 {
                 writeln!(
                     out,
@@ -574,12 +582,25 @@ async fn dead_cmd(
         } => {
             let w = which(failed);
             let chosen = match (id, all) {
-                (Some(id), false) => letters::find(cfg, w, &id).await?,
+                (Some(id), false) => letters::newest_per_job(letters::find(cfg, w, &id).await?),
                 (None, true) => {
                     let mut every = vec![];
+                    // The letters there are now, oldest first: not those written while
+                    // this runs (its own replays, failing again).
+                    let (newest, _) = letters::list(cfg, w, 1).await?;
+                    let Some(upto) = newest.first().map(|l| l.entry.clone()) else {
+                        writeln!(out, "replayed 0 {} letters", w.name())?;
+                        return Ok(ExitCode::SUCCESS);
+                    };
+                    let mut seen = std::collections::HashSet::new();
                     loop {
-                        // Replayed letters are deleted, so each page is the next.
-                        let (page, _) = letters::list(cfg, w, 500).await?;
+                        // Replayed letters are deleted, so each page is the next; one
+                        // seen already (left by an error) ends the loop.
+                        let page = letters::oldest_upto(cfg, w, &upto, 500).await?;
+                        let page: Vec<_> = page
+                            .into_iter()
+                            .filter(|l| seen.insert(l.entry.clone()))
+                            .collect();
                         if page.is_empty() {
                             break;
                         }

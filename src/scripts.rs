@@ -3,7 +3,7 @@
 //! scripts mean; this room only owns that each file is compiled in exactly once.
 //!
 //! Invariant: every key a script touches shares the `{namespace}` hash tag. The queue
-//! scripts pass every key in KEYS; the slot scripts also build keys from ARGV prefixes
+//! scripts (and `replay.lua`) pass every key in KEYS; the slot scripts also build keys from ARGV prefixes
 //! (waiter liveness, hand-off lists, restored slot keys), so they need a standalone Redis
 //! (Redis Cluster is not supported; see the README).
 
@@ -25,6 +25,9 @@ macro_rules! with_prelude {
 /// Result + dead letter + cost + result marker + XACK, checks before the first write.
 pub static COMMIT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/commit.lua")));
+/// One letter pushed again as a job, once (only if it is still there), and deleted.
+pub static REPLAY: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/replay.lua")));
 /// Idempotency by job id: done / claimed / busy.
 pub static CLAIM_ID: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/claim_id.lua")));

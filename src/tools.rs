@@ -428,7 +428,9 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         let mut held = vec![];
         for i in 0..n {
             let k = slot_keys.slot(name, i);
-            let holder: Option<String> = c.get(&k).await?;
+            // Read as bytes: a value some other program wrote is shown, never fatal.
+            let holder: Option<Vec<u8>> = c.get(&k).await?;
+            let holder = holder.map(|h| String::from_utf8_lossy(&h).into_owned());
             if let Some(h) = holder {
                 let ttl: i64 = c.pttl(&k).await?;
                 // The value is `<process token>#<lease nonce>`: show the process.
@@ -442,7 +444,13 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
             json!({"slots": n, "configured": pc.slots, "held": held, "waiting_processes": waiting}),
         );
     }
-    let totals: BTreeMap<String, i64> = c.hgetall(&keys.costs).await?;
+    // Read as text: a field that is not an integer (written by something else) is
+    // skipped, not fatal to the whole status.
+    let totals: BTreeMap<String, String> = c.hgetall(&keys.costs).await?;
+    let totals: BTreeMap<String, i64> = totals
+        .into_iter()
+        .filter_map(|(k, v)| v.parse().ok().map(|v| (k, v)))
+        .collect();
     let mut per_model: BTreeMap<String, serde_json::Map<String, Value>> = BTreeMap::new();
     let mut total_picos: i64 = 0;
     for (k, v) in &totals {

@@ -239,9 +239,17 @@ pub async fn run(cfg: &Config, count: Option<u64>) -> Result<(), ToolError> {
         let mut out = std::io::stdout();
         let mut n = 0;
         loop {
-            let v = crate::tools::status(cfg).await?;
-            rates.update(&v, Instant::now());
-            crate::tools::print_status(&v, &mut out)?;
+            match crate::tools::status(cfg).await {
+                Ok(v) => {
+                    rates.update(&v, Instant::now());
+                    crate::tools::print_status(&v, &mut out)?;
+                }
+                // Redis away for a moment (a failover): say so, try again next second.
+                Err(e) => std::io::Write::write_all(
+                    &mut out,
+                    format!("status refresh failed: {e}; retrying\n").as_bytes(),
+                )?,
+            }
             std::io::Write::write_all(
                 &mut out,
                 format!(
@@ -264,12 +272,22 @@ pub async fn run(cfg: &Config, count: Option<u64>) -> Result<(), ToolError> {
     }
     let mut terminal = ratatui::init();
     let mut n = 0;
+    let mut shown: Option<Value> = None;
     let result = loop {
+        // A failed refresh (Redis away, a failover) keeps the last view, marked, and
+        // tries again a second later.
         let v = match crate::tools::status(cfg).await {
-            Ok(v) => v,
-            Err(e) => break Err(e),
+            Ok(v) => {
+                rates.update(&v, Instant::now());
+                shown = Some(v.clone());
+                v
+            }
+            Err(e) => {
+                let mut v = shown.clone().unwrap_or_else(|| serde_json::json!({}));
+                v["stream"] = Value::String(format!("(refresh failed: {e}; retrying)"));
+                v
+            }
         };
-        rates.update(&v, Instant::now());
         if let Err(e) = terminal.draw(|f| draw(f, &v, &rates)) {
             break Err(e.into());
         }

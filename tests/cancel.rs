@@ -328,3 +328,39 @@ async fn a_job_stopped_during_its_slot_acquisition_strands_no_slot() -> anyhow::
     stop_clean(&mut w, T).await;
     Ok(())
 }
+
+/// A job without an `id` is cancelled by its entry id (its job id); queued, it ends with
+/// no model call, like a job with one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_job_without_an_id_is_cancelled_by_its_entry_id_without_a_call()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "n.toml");
+    let cfg_s = cfg.to_str().unwrap();
+    let mut conn = redis.conn().await;
+    let idless = |text: &str| {
+        serde_json::json!({"messages": [{"role": "user", "content": text}],
+            "metadata": {"note": "no id here"}})
+        .to_string()
+    };
+    let entries_pushed = push(&mut conn, "llm", &[idless("cancel me"), idless("keep me")]).await;
+    let out = run_bin_async(&["--config", cfg_s, "cancel", &entries_pushed[0]], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let mut w = WorkerProc::spawn(&cfg, "n1", &[]);
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    let c = &r[&entries_pushed[0]];
+    assert_eq!(c["status"], "cancelled", "{c:?}");
+    assert_eq!(c["attempts"], "0", "no model call: {c:?}");
+    assert_eq!(r[&entries_pushed[1]]["status"], "ok");
+    assert_eq!(
+        sim.sim.stats().calls_per_job.values().sum::<u64>(),
+        1,
+        "one call, for the other job"
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}

@@ -614,3 +614,36 @@ async fn the_cli_says_what_is_wrong_in_words() {
         out.all()
     );
 }
+
+/// `status` survives data some other program wrote: a slot holder that is not UTF-8 and a
+/// cost total that is not an integer are shown or skipped, never fatal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_survives_odd_values_in_its_keys() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(llm_worker::sim::SimOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "c.toml");
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("SET")
+        .arg("{llm}:poolsize:default")
+        .arg(4)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("{llm}:slot:default:0")
+        .arg(&b"\xff\xfeholder"[..])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg("{llm}:cost")
+        .arg("m1:cost_picos")
+        .arg("abc")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let out = run_bin_async(&["--config", cfg.to_str().unwrap(), "status"], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(out.stdout.contains("holder"), "{}", out.all());
+}

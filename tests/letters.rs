@@ -232,3 +232,102 @@ async fn purge_refuses_while_workers_run_then_deletes_the_namespace() -> anyhow:
     assert!(again.stdout.contains("nothing to purge"), "{}", again.all());
     Ok(())
 }
+
+/// `n` invalid dead letters (unknown route), written straight into `{llm}:dead` in the
+/// shape the worker writes, with ids `<prefix>-<i>`.
+async fn seed_letters(conn: &mut redis::aio::MultiplexedConnection, prefix: &str, n: usize) {
+    let mut pipe = redis::pipe();
+    for i in 0..n {
+        let payload = serde_json::json!({"id": format!("{prefix}-{i}"), "route": "nope",
+            "messages": [{"role": "user", "content": "hi"}]})
+        .to_string();
+        pipe.cmd("XADD")
+            .arg("{llm}:dead")
+            .arg("*")
+            .arg("job_entry")
+            .arg(format!("1-{i}"))
+            .arg("job_id")
+            .arg(format!("{prefix}-{i}"))
+            .arg("reason")
+            .arg("unknown route `nope` (not in [routes])")
+            .arg("deliveries")
+            .arg(1)
+            .arg("payload")
+            .arg(payload)
+            .ignore();
+    }
+    let _: () = pipe.query_async(conn).await.unwrap();
+}
+
+/// `dead replay --all` replays the letters there were when it started, once each: not the
+/// letters its own replays produce while it runs (a worker dead-letters them again), and
+/// not a letter another replay running at the same time already took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_all_takes_each_letter_once_even_with_a_worker_and_a_second_replay()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "r.toml");
+    let mut conn = redis.conn().await;
+
+    // Two replays at once over 1,000 letters, no worker: 1,000 jobs, not more.
+    seed_letters(&mut conn, "c", 1000).await;
+    let (a, b) = tokio::join!(
+        cli(&cfg, &["dead", "replay", "--all"]),
+        cli(&cfg, &["dead", "replay", "--all"])
+    );
+    assert_eq!(
+        (a.code, b.code),
+        (Some(0), Some(0)),
+        "{}\n{}",
+        a.all(),
+        b.all()
+    );
+    assert_eq!(
+        xlen(&mut conn, "{llm}:jobs").await,
+        1000,
+        "{}\n{}",
+        a.stdout.lines().last().unwrap_or(""),
+        b.stdout.lines().last().unwrap_or("")
+    );
+    assert_eq!(xlen(&mut conn, "{llm}:dead").await, 0);
+    let _: () = redis::cmd("DEL")
+        .arg("{llm}:jobs")
+        .query_async(&mut conn)
+        .await?;
+
+    // With a worker dead-lettering every replayed job again: 300 replayed, exactly.
+    seed_letters(&mut conn, "w", 300).await;
+    let mut w = WorkerProc::spawn(&cfg, "r1", &[]);
+    let out = cli(&cfg, &["dead", "replay", "--all"]).await;
+    assert!(
+        out.stdout.contains("replayed 300 dead letters"),
+        "{}",
+        out.all()
+    );
+    context(wait_len(&mut conn, "{llm}:dead", 300, T).await, &[&w])?;
+    stop_clean(&mut w, T).await;
+    assert_eq!(xlen(&mut conn, "{llm}:dead").await, 300);
+
+    // One id with two letters: `dead replay ID` pushes it once (its newest letter).
+    let _: () = redis::cmd("DEL")
+        .arg("{llm}:dead")
+        .query_async(&mut conn)
+        .await?;
+    let _: () = redis::cmd("DEL")
+        .arg("{llm}:jobs")
+        .query_async(&mut conn)
+        .await?;
+    seed_letters(&mut conn, "twice", 1).await;
+    seed_letters(&mut conn, "twice", 1).await;
+    let out = cli(&cfg, &["dead", "replay", "twice-0"]).await;
+    assert!(
+        out.stdout.contains("replayed 1 dead letters"),
+        "{}",
+        out.all()
+    );
+    assert_eq!(xlen(&mut conn, "{llm}:jobs").await, 1);
+    Ok(())
+}

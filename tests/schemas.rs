@@ -58,6 +58,17 @@ fn the_job_schema_accepts_what_the_worker_accepts() {
         json!({"messages": msgs, "deadline_ms": 1.5}),
         json!({"messages": msgs, "metadata": null, "model": 7}),
         json!([1, 2]),
+        // What producers really send: nulls for absent fields, ms and token counts as
+        // floats, ids in non-ASCII text, costs with exponents.
+        json!({"messages": msgs, "deadline_ms": null, "model": null, "max_tokens": null, "tenant": null, "id": null}),
+        json!({"messages": msgs, "deadline_ms": 1_900_000_000_000.0, "max_tokens": 10.0}),
+        json!({"messages": msgs, "deadline_ms": 1.9e12}),
+        json!({"messages": msgs, "max_tokens": 10.5}),
+        json!({"messages": msgs, "id": "é".repeat(300)}),
+        json!({"messages": msgs, "id": "é".repeat(513)}),
+        json!({"messages": msgs, "max_cost_usd": "1e-2"}),
+        json!({"messages": msgs, "max_cost_usd": ".5"}),
+        json!({"messages": msgs, "max_cost_usd": "1e"}),
     ];
     for p in &corpus {
         let text = p.to_string();

@@ -256,6 +256,11 @@ pub struct Delivery {
     /// (field [`TENANT_UNPARKED`]): a place is kept for it, which the worker gives back if
     /// the job ends without taking it.
     pub unparked: Option<String>,
+    /// The reader checked this entry's cancel marker (a job without an `id` has no id
+    /// claim that would): `cancelled` is its answer.
+    pub cancel_checked: bool,
+    /// The reader found a cancel marker for this entry's job id.
+    pub cancelled: bool,
 }
 
 /// The longest part of a bad field name a `malformed` reason quotes.
@@ -328,6 +333,8 @@ impl Delivery {
             first_entry,
             reclaimed: false,
             unparked,
+            cancel_checked: false,
+            cancelled: false,
         }
     }
 }

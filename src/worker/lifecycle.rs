@@ -300,9 +300,27 @@ impl Worker {
             ));
         }
         // Cancel and deadline: a job that must not start ends here without a call; from
-        // here on, the job's loop runs against its stop switch (below).
+        // here on, the job's loop runs against its stop switch (below). A job with an id
+        // had its cancel marker checked by its id claim; one without, by the reader (or
+        // here, the rare entry the reader took for one with an id).
         let stop = CancellationToken::new();
         lock(&self.stops).insert(d.entry_id.clone(), (job.id.clone(), stop.clone()));
+        if !job.keyed {
+            let cancelled = if d.cancel_checked {
+                d.cancelled
+            } else {
+                let ids = [job.id.as_str()];
+                let asked = self.queue.cancelled(&ids);
+                matches!(
+                    tokio::time::timeout(Duration::from_secs(1), asked).await,
+                    Ok(Ok(f)) if f.first() == Some(&true)
+                )
+            };
+            if cancelled {
+                let f = Finished::Stopped(Stop::Cancelled);
+                return Some(self.finish(d, &job, f, &lock(spent), started));
+            }
+        }
         if job
             .deadline_ms
             .is_some_and(|at| crate::cost::unix_now_ms() >= at)

@@ -157,6 +157,8 @@ impl Worker {
                             metrics::counter!("llm_worker_self_reclaims_skipped_total")
                                 .increment(1);
                         }
+                        let mut others = others;
+                        self.check_cancels(&mut others).await;
                         for d in others {
                             let Some(permit) = permits.pop() else { break };
                             self.spawn_job(&tracker, d, permit, &abort);
@@ -187,7 +189,8 @@ impl Worker {
                 _ = abort.cancelled() => break,
             };
             match read {
-                Ok(deliveries) => {
+                Ok(mut deliveries) => {
+                    self.check_cancels(&mut deliveries).await;
                     self.redis_up();
                     backoff.reset();
                     for d in deliveries {
@@ -308,6 +311,41 @@ impl Worker {
             Err(_) => tracing::warn!(
                 "removing this worker's consumer timed out; the reclaimer of another worker removes it later"
             ),
+        }
+    }
+
+    /// Cancel markers of the entries read that look like jobs without an `id` (their
+    /// payload has no `"id"` key at all): one round trip for the whole batch, so a queued
+    /// id-less job that was cancelled ends without a call. (Jobs with an id are checked by
+    /// their id claim; an entry this skips and that turns out id-less is checked by its
+    /// task.) Bounded; on an error the entries go unchecked and their tasks check.
+    pub(super) async fn check_cancels(&self, deliveries: &mut [Delivery]) {
+        let idx: Vec<usize> = deliveries
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| {
+                d.payload
+                    .as_deref()
+                    .is_some_and(|p| !p.windows(4).any(|w| w == b"\"id\""))
+            })
+            .map(|(i, _)| i)
+            .collect();
+        if idx.is_empty() {
+            return;
+        }
+        let ids: Vec<&str> = idx
+            .iter()
+            .map(|&i| {
+                let d = &deliveries[i];
+                d.first_entry.as_deref().unwrap_or(&d.entry_id)
+            })
+            .collect();
+        let asked = tokio::time::timeout(Duration::from_secs(1), self.queue.cancelled(&ids));
+        if let Ok(Ok(flags)) = asked.await {
+            for (i, f) in idx.into_iter().zip(flags) {
+                deliveries[i].cancel_checked = true;
+                deliveries[i].cancelled = f;
+            }
         }
     }
 
