@@ -94,7 +94,7 @@ struct EnqueueArgs {
     /// Route name from [routes].
     #[arg(long)]
     route: Option<String>,
-    /// Job id (idempotency key); with several prompts, `-<n>` is appended.
+    /// Job id (idempotency key); with several prompts, `-<n>` is appended (from 1).
     #[arg(long)]
     id: Option<String>,
     /// JSON copied to the result.

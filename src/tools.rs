@@ -75,8 +75,9 @@ pub fn build_payloads(
             o.insert("route".into(), json!(r));
         }
         if let Some(id) = id {
+            // Numbered from 1, like `--prompt <n>` in the error messages.
             let id = if prompts.len() > 1 {
-                format!("{id}-{i}")
+                format!("{id}-{}", i + 1)
             } else {
                 id.to_string()
             };

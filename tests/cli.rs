@@ -647,3 +647,40 @@ async fn status_survives_odd_values_in_its_keys() {
     assert_eq!(out.code, Some(0), "{}", out.all());
     assert!(out.stdout.contains("holder"), "{}", out.all());
 }
+
+/// Several prompts with one `--id`: the ids are numbered from 1, as the error messages
+/// number the prompts (`--prompt 2: ...`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_prompts_are_numbered_from_one_in_ids_and_messages() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(llm_worker::sim::SimOptions::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TestConfig::new(&redis, &sim).write(dir.path(), "c.toml");
+    let cfg_s = cfg.to_str().unwrap();
+    let mut conn = redis.conn().await;
+    let args = [
+        "--config", cfg_s, "enqueue", "--prompt", "a", "--prompt", "b", "--id", "n",
+    ];
+    let out = run_bin_async(&args, &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let ids: Vec<String> = entries(&mut conn, "{llm}:jobs")
+        .await
+        .iter()
+        .map(|(_, f)| {
+            serde_json::from_str::<serde_json::Value>(&f["payload"]).unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(ids, ["n-1", "n-2"]);
+    let bad = [
+        "--config", cfg_s, "enqueue", "--prompt", "a", "--prompt", "b", "--model", "nope",
+    ];
+    let out = run_bin_async(&bad, &[], T).await;
+    assert!(
+        out.stderr.contains("--prompt 1") && out.stderr.contains("--prompt 2"),
+        "{}",
+        out.all()
+    );
+}

@@ -262,7 +262,7 @@ fn check_job(bytes: &[u8], max: usize) -> Result<Result<job::Job, JobError>, Tes
     // The dead-letter path must cope with the same bytes.
     let salvaged = job::salvage_id(Some(bytes));
     if let Some(id) = &salvaged {
-        prop_assert!(!id.is_empty() && id.len() <= 512);
+        prop_assert!(!id.is_empty() && id.chars().count() <= 512);
     }
     if bytes.len() > max {
         prop_assert!(

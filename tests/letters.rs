@@ -331,3 +331,58 @@ async fn replay_all_takes_each_letter_once_even_with_a_worker_and_a_second_repla
     assert_eq!(xlen(&mut conn, "{llm}:jobs").await, 1);
     Ok(())
 }
+
+/// `--new-id` gives the replayed job a fresh id (`<id>.retry-<ms>`), so it runs even
+/// though its old id meanwhile ended ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_with_a_new_id_runs_even_when_the_old_id_ended_ok() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "n.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "n1", &[]);
+    push(&mut conn, "llm", &[job("same", "hi")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
+    // A dead letter of the same id (as if an older copy had been poisoned).
+    let payload = job("same", "hi");
+    let _: String = redis::cmd("XADD")
+        .arg("{llm}:dead")
+        .arg("*")
+        .arg("job_entry")
+        .arg("1-1")
+        .arg("job_id")
+        .arg("same")
+        .arg("reason")
+        .arg("delivered 6 times")
+        .arg("deliveries")
+        .arg(6)
+        .arg("payload")
+        .arg(&payload)
+        .query_async(&mut conn)
+        .await?;
+    let out = cli(&cfg, &["dead", "replay", "same", "--new-id"]).await;
+    assert!(
+        out.stdout.contains("replayed 1 dead letters"),
+        "{}",
+        out.all()
+    );
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let fresh = results
+        .iter()
+        .find(|(_, r)| r["job_id"].starts_with("same.retry-"));
+    let fresh = fresh.map(|(_, r)| r.clone()).unwrap_or_default();
+    assert_eq!(
+        fresh.get("status").map(String::as_str),
+        Some("ok"),
+        "{results:?}"
+    );
+    assert!(
+        !fresh.contains_key("duplicate_of"),
+        "ran, not a duplicate: {fresh:?}"
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
