@@ -706,10 +706,14 @@ fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32, value: String) -> Le
 }
 
 /// A fresh value for a lease of this process: `<token>#<nonce>`.
+/// A lease's value: `<process token>#<unix ms>n<nonce>`. Scripts compare only the
+/// `<token>#` prefix (and whole values); the time is when this holder's lease began, so
+/// `status` can show how long a slot has been held (renewals keep the value).
 fn lease_value(inner: &Inner) -> String {
     format!(
-        "{}#{}",
+        "{}#{}n{}",
         inner.token,
+        crate::cost::unix_now_ms(),
         inner.next_nonce.fetch_add(1, Ordering::Relaxed)
     )
 }

@@ -436,7 +436,14 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
                 let ttl: i64 = c.pttl(&k).await?;
                 // The value is `<process token>#<lease nonce>`: show the process.
                 let process = h.split('#').next().unwrap_or(&h).to_string();
-                held.push(json!({"slot": i, "holder": process, "ttl_ms": ttl}));
+                // `<token>#<unix ms>n<nonce>`: held since that time (a bare token: a
+                // hand-off not yet picked up, age unknown).
+                let since: Option<u64> = h
+                    .split_once('#')
+                    .and_then(|(_, rest)| rest.split('n').next())
+                    .and_then(|ms| ms.parse().ok());
+                let age_ms = since.map(|s| cost::unix_now_ms().saturating_sub(s));
+                held.push(json!({"slot": i, "holder": process, "ttl_ms": ttl, "age_ms": age_ms}));
             }
         }
         let waiting: u64 = c.zcard(slot_keys.slot_queue(name)).await.unwrap_or(0);

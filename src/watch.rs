@@ -1,6 +1,6 @@
 //! `status --watch`: the `status` of the namespace as a live terminal view (ratatui),
 //! refreshed every second: queue length, group lag and pending, jobs/s in and results/s
-//! out with sparklines, each pool's held slots with holder and lease left, consumers with
+//! out with sparklines, each pool's held slots with holder, age and lease left, consumers with
 //! idle time, spend today per model, cooldowns, dead letters. When stdout is not a
 //! terminal: the plain `status` lines every second instead.
 //!
@@ -133,6 +133,9 @@ pub fn draw(f: &mut Frame, v: &Value, rates: &Rates) {
                 pool.clone(),
                 num(&h["slot"]),
                 h["holder"].as_str().unwrap_or("").to_string(),
+                h["age_ms"]
+                    .as_u64()
+                    .map_or("-".into(), |a| format!("{:.1} s", a as f64 / 1000.0)),
                 format!("{} ms", h["ttl_ms"].as_i64().unwrap_or(0)),
             ]));
         }
@@ -140,14 +143,15 @@ pub fn draw(f: &mut Frame, v: &Value, rates: &Rates) {
     let slots = Table::new(
         slot_rows,
         [
-            Constraint::Length(10),
-            Constraint::Length(5),
+            Constraint::Length(9),
+            Constraint::Length(4),
             Constraint::Min(12),
+            Constraint::Length(8),
             Constraint::Length(10),
         ],
     )
     .header(
-        Row::new(vec!["pool", "slot", "holder", "lease left"])
+        Row::new(vec!["pool", "slot", "holder", "held", "lease left"])
             .style(Style::default().add_modifier(Modifier::BOLD)),
     )
     .block(

@@ -29,8 +29,8 @@ fn sample_status() -> serde_json::Value {
         "jobs_added": 101520,
         "results_added": 98000,
         "pools": {"default": {"slots": 8, "configured": 8, "waiting_processes": 1, "held": [
-            {"slot": 0, "holder": "pod-a-1:1a2b3c4d", "ttl_ms": 28750},
-            {"slot": 3, "holder": "pod-b-1:5e6f7a8b", "ttl_ms": 12000}
+            {"slot": 0, "holder": "pod-a-1:1a2b3c4d", "ttl_ms": 28750, "age_ms": 1250},
+            {"slot": 3, "holder": "pod-b-1:5e6f7a8b", "ttl_ms": 12000, "age_ms": 61000}
         ]}},
         "cost": {"total_usd": "41.2", "models": {}},
         "budgets": [],
@@ -100,6 +100,9 @@ fn the_watch_view_matches_its_snapshot() {
         "results out/s: 900",
         "pod-a-1:1a2b3c4d",
         "28750 ms",
+        "1.2 s",
+        "61.0 s",
+        " held ",
         "slots held: default 2/8",
         "pod-b-1",
         "3.4 s",
@@ -165,6 +168,48 @@ async fn watch_prints_plain_status_lines_when_stdout_is_not_a_terminal() -> anyh
         "no escape codes off a terminal: {}",
         out.all()
     );
+    stop_clean(&mut w, Duration::from_secs(15)).await;
+    Ok(())
+}
+
+/// `status --json` (what the watch view draws) shows each held slot's holder and how long
+/// it has been held, from a real worker's lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_slot_shows_its_holder_and_age() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 4000,
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "a.toml");
+    let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "aged", &[]);
+    push(&mut conn, "llm", &jobs("age", 1)).await;
+    assert!(
+        in_flight_at_least(&sim, 1, Duration::from_secs(10)).await,
+        "{}",
+        w.log()
+    );
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let out = run_bin_async(
+        &["--config", cfg.to_str().unwrap(), "status", "--json"],
+        &[],
+        Duration::from_secs(20),
+    )
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&out.stdout)?;
+    let held = &v["pools"]["default"]["held"][0];
+    assert!(
+        held["holder"]
+            .as_str()
+            .is_some_and(|h| h.starts_with("aged:")),
+        "{held}"
+    );
+    let age = held["age_ms"].as_u64().unwrap_or(0);
+    assert!((1200..4500).contains(&age), "held for about 1.3 s: {held}");
     stop_clean(&mut w, Duration::from_secs(15)).await;
     Ok(())
 }
