@@ -291,6 +291,34 @@ pub async fn replay(
     Ok(done)
 }
 
+/// `dead replay --all`: the letters of `which` there are now, oldest first, page by page
+/// (replayed letters are deleted, so each page is the next), never those written while
+/// this runs (its own replays, failing again). A letter seen already (left by a replay
+/// that did nothing) ends the loop. Returns what [`replay`] returns, for all of them.
+pub async fn replay_all(
+    cfg: &Config,
+    which: Which,
+    how: &Replay,
+) -> Result<Vec<(String, String)>, LetterError> {
+    let (newest, _) = list(cfg, which, 1).await?;
+    let Some(upto) = newest.first().map(|l| l.entry.clone()) else {
+        return Ok(vec![]);
+    };
+    let mut seen = std::collections::HashSet::new();
+    let mut every = vec![];
+    loop {
+        let page: Vec<Letter> = oldest_upto(cfg, which, &upto, 500)
+            .await?
+            .into_iter()
+            .filter(|l| seen.insert(l.entry.clone()))
+            .collect();
+        if page.is_empty() {
+            return Ok(every);
+        }
+        every.extend(replay(cfg, &page, how).await?);
+    }
+}
+
 /// Deletes the letters of `which` older than `older` (XTRIM MINID). Returns how many.
 pub async fn purge_older(cfg: &Config, which: Which, older: Duration) -> Result<u64, LetterError> {
     let keys = Keys::new(&cfg.queue.namespace);
@@ -325,7 +353,7 @@ pub async fn retry(cfg: &Config, id: &str) -> Result<Retried, LetterError> {
         .arg(keys.done(id))
         .query_async(&mut c)
         .await?;
-    if marker.is_some_and(|m| m.rsplit_once('|').is_none_or(|(_, s)| s == "ok")) {
+    if marker.is_some_and(|m| crate::queue::marker_status(&m) == "ok") {
         return Ok(Retried::AlreadyOk);
     }
     let running: bool = redis::cmd("EXISTS")

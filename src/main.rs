@@ -581,53 +581,19 @@ async fn dead_cmd(
             new_id,
         } => {
             let w = which(failed);
-            let chosen = match (id, all) {
-                (Some(id), false) => letters::newest_per_job(letters::find(cfg, w, &id).await?),
-                (None, true) => {
-                    let mut every = vec![];
-                    // The letters there are now, oldest first: not those written while
-                    // this runs (its own replays, failing again).
-                    let (newest, _) = letters::list(cfg, w, 1).await?;
-                    let Some(upto) = newest.first().map(|l| l.entry.clone()) else {
-                        writeln!(out, "replayed 0 {} letters", w.name())?;
-                        return Ok(ExitCode::SUCCESS);
-                    };
-                    let mut seen = std::collections::HashSet::new();
-                    loop {
-                        // Replayed letters are deleted, so each page is the next; one
-                        // seen already (left by an error) ends the loop.
-                        let page = letters::oldest_upto(cfg, w, &upto, 500).await?;
-                        let page: Vec<_> = page
-                            .into_iter()
-                            .filter(|l| seen.insert(l.entry.clone()))
-                            .collect();
-                        if page.is_empty() {
-                            break;
-                        }
-                        let done = letters::replay(
-                            cfg,
-                            &page,
-                            &letters::Replay {
-                                route: route.clone(),
-                                new_id,
-                            },
-                        )
-                        .await?;
-                        every.extend(done);
+            let how = letters::Replay { route, new_id };
+            let done = match (id, all) {
+                (Some(id), false) => {
+                    let chosen = letters::newest_per_job(letters::find(cfg, w, &id).await?);
+                    if chosen.is_empty() {
+                        eprintln!("no {} letter for that id", w.name());
+                        return Ok(ExitCode::from(1));
                     }
-                    for (letter, new) in &every {
-                        writeln!(out, "{letter} -> {new}")?;
-                    }
-                    writeln!(out, "replayed {} {} letters", every.len(), w.name())?;
-                    return Ok(ExitCode::SUCCESS);
+                    letters::replay(cfg, &chosen, &how).await?
                 }
+                (None, true) => letters::replay_all(cfg, w, &how).await?,
                 _ => anyhow::bail!("dead replay: give a job id or --all"),
             };
-            if chosen.is_empty() {
-                eprintln!("no {} letter for that id", w.name());
-                return Ok(ExitCode::from(1));
-            }
-            let done = letters::replay(cfg, &chosen, &letters::Replay { route, new_id }).await?;
             for (letter, new) in &done {
                 writeln!(out, "{letter} -> {new}")?;
             }

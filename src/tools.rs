@@ -131,7 +131,21 @@ pub async fn enqueue(
 ) -> Result<Vec<String>, ToolError> {
     let keys = Keys::new(&cfg.queue.namespace);
     let mut c = conn(cfg).await?;
-    let mut ids = vec![];
+    let ids = push_payloads(&mut c, &keys, payloads).await?;
+    for id in &ids {
+        writeln!(out, "{id}")?;
+    }
+    Ok(ids)
+}
+
+/// XADDs each payload to the jobs stream (field `payload`), pipelined 500 at a time;
+/// returns the entry ids in input order.
+pub async fn push_payloads(
+    c: &mut redis::aio::MultiplexedConnection,
+    keys: &Keys,
+    payloads: &[String],
+) -> Result<Vec<String>, ToolError> {
+    let mut ids = Vec::with_capacity(payloads.len());
     for chunk in payloads.chunks(500) {
         let mut pipe = redis::pipe();
         for p in chunk {
@@ -141,11 +155,8 @@ pub async fn enqueue(
                 .arg("payload")
                 .arg(p);
         }
-        let got: Vec<String> = pipe.query_async(&mut c).await?;
-        for id in got {
-            writeln!(out, "{id}")?;
-            ids.push(id);
-        }
+        let got: Vec<String> = pipe.query_async(c).await?;
+        ids.extend(got);
     }
     Ok(ids)
 }
@@ -277,8 +288,7 @@ pub async fn cancel(cfg: &Config, job_id: &str) -> Result<CancelOutcome, ToolErr
     let keys = Keys::new(&cfg.queue.namespace);
     let mut c = conn(cfg).await?;
     if let Some(marker) = c.get::<_, Option<String>>(keys.done(job_id)).await? {
-        let status = marker.rsplit_once('|').map_or("ok", |(_, s)| s);
-        if status == "ok" {
+        if crate::queue::marker_status(&marker) == "ok" {
             return Ok(CancelOutcome::AlreadyOk);
         }
     }

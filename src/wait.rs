@@ -21,16 +21,6 @@ pub struct Waited {
     pub timed_out: bool,
 }
 
-/// The job id a payload will carry: its `id` (string, or a number's text) if any.
-fn payload_id(payload: &str) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_str(payload).ok()?;
-    match v.get("id")? {
-        serde_json::Value::String(s) if !s.is_empty() => Some(s.clone()),
-        serde_json::Value::Number(n) => Some(n.to_string()),
-        _ => None,
-    }
-}
-
 /// Pushes `payloads` and waits (up to `timeout`, if any) for each one's result.
 /// `progress(done, total)` is called as results arrive.
 pub async fn enqueue_and_wait(
@@ -54,21 +44,14 @@ pub async fn enqueue_and_wait(
         .0
         .first()
         .map_or_else(|| "0-0".to_string(), |e| e.id.clone());
-    let mut ids: Vec<String> = Vec::with_capacity(payloads.len());
-    for chunk in payloads.chunks(500) {
-        let mut pipe = redis::pipe();
-        for p in chunk {
-            pipe.cmd("XADD")
-                .arg(&keys.jobs)
-                .arg("*")
-                .arg("payload")
-                .arg(p);
-        }
-        let entries: Vec<String> = pipe.query_async(&mut c).await?;
-        for (p, entry) in chunk.iter().zip(entries) {
-            ids.push(payload_id(p).unwrap_or(entry));
-        }
-    }
+    let entries = crate::tools::push_payloads(&mut c, &keys, payloads).await?;
+    // The job id the worker will write: the payload's own `id` (read as the worker reads
+    // it), else the entry id.
+    let ids: Vec<String> = payloads
+        .iter()
+        .zip(entries)
+        .map(|(p, entry)| crate::job::salvage_id(Some(p.as_bytes())).unwrap_or(entry))
+        .collect();
     let mut wanted: HashMap<&str, Vec<usize>> = HashMap::new();
     for (i, id) in ids.iter().enumerate() {
         wanted.entry(id.as_str()).or_default().push(i);
@@ -127,10 +110,10 @@ pub async fn enqueue_and_wait(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
     fn a_payload_id_is_its_id_field_text_or_number() {
+        // The worker's own reading of a payload's id (also what `enqueue --wait` matches).
+        let payload_id = |p: &str| crate::job::salvage_id(Some(p.as_bytes()));
         assert_eq!(
             payload_id(r#"{"id":"a","messages":[]}"#).as_deref(),
             Some("a")

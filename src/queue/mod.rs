@@ -91,6 +91,12 @@ fn redis_error_heals(e: &redis::RedisError) -> bool {
     }
 }
 
+/// The status in a result marker (`{ns}:done:<id>` = `<result entry id>|<status>`); a
+/// marker without one (older workers) stands for `ok`, as `lua/claim_id.lua` reads it.
+pub fn marker_status(marker: &str) -> &str {
+    marker.rsplit_once('|').map_or("ok", |(_, s)| s)
+}
+
 /// Every Redis key name in one place.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -608,7 +614,8 @@ impl Queue {
             .await?;
         Ok(match kind.as_str() {
             "done" => {
-                let (rid, status) = val.split_once('|').unwrap_or((val.as_str(), "ok"));
+                let rid = val.split_once('|').map_or(val.as_str(), |(r, _)| r);
+                let status = marker_status(&val);
                 IdClaim::Done {
                     result_id: rid.to_string(),
                     status: status.to_string(),
