@@ -19,11 +19,15 @@
 -- then m, then m field/value pairs of the dead-letter entry (m = 0: none)
 -- then k, then k field/increment pairs for the cost totals hash (integers)
 --
--- Redis does not roll a script back, so everything that can fail is checked before the
--- first write (argument shape, key types, pending-ness), the first write is a
--- memory-consuming one (under `maxmemory` + `noeviction` it fails before anything is
--- written) and the XACK comes last. Invariant: the entry is acknowledged only if its
--- result was written in the same call.
+-- Redis does not roll a script back, so the argument shape and pending-ness are checked
+-- before the first write; the writes that can still be refused (the cost totals'
+-- HINCRBYs, the result's XADD: a field that is not an integer, an overflow, a key of the
+-- wrong type) run first, with pcall, and a refusal undoes the increments made before it;
+-- the first write is one Redis refuses under `maxmemory` + `noeviction` before anything
+-- is written (after it Redis refuses no write of the script), and the XACK comes last.
+-- Per job on the common path: GET, XPENDING, one HINCRBY per non-zero cost field, XADD,
+-- SET, GET, XACK, XDEL (no TYPE, no HGET). Invariant: the entry is acknowledged only if
+-- its result was written in the same call, and a refused call leaves every key as it was.
 --
 -- Returns {'written', result id}: written now;
 --         {'had', result id}: not pending any more, and its result is one this worker
@@ -83,63 +87,44 @@ if #result > 7000 or #deadl > 7000 then
     ' fields are more than one XADD from Lua can take (a worker bug: report it)')
 end
 
--- Exact 64-bit integers without 64-bit numbers (Lua's are doubles, exact to 2^53 only):
--- a value is {hi, lo}, value = hi * 1e9 + lo, 0 <= lo < 1e9, both parts exact.
-local E9 = 1000000000
--- {hi, lo} normalized; nil when outside [-2^63, 2^63 - 1], the range of HINCRBY.
-local function norm(hi, lo)
-  local carry = math.floor(lo / E9)
-  hi, lo = hi + carry, lo - carry * E9
-  if hi > 9223372036 or (hi == 9223372036 and lo > 854775807) then
-    return nil
-  end
-  if hi < -9223372037 or (hi == -9223372037 and lo < 145224192) then
-    return nil
-  end
-  return {hi, lo}
-end
--- An integer as Redis reads one (optional '-', no '+', no leading zero, no '-0'); nil
--- for anything else.
-local function int64(s)
-  local neg, digits = string.match(s, '^(%-?)(%d+)$')
-  if not digits or #digits > 19 or (#digits > 1 and string.sub(digits, 1, 1) == '0')
-      or (neg == '-' and digits == '0') then
-    return nil
-  end
-  local hi = tonumber(string.sub(digits, 1, -10)) or 0
-  local lo = tonumber(string.sub(digits, -9))
-  if neg == '-' then
-    hi, lo = -hi, -lo
-  end
-  return norm(hi, lo)
-end
-local incr = {}
+local seen = {}
 for j = 1, #costl, 2 do
-  local v = int64(costl[j + 1])
-  if not v or incr[costl[j]] then
+  if seen[costl[j]] then
     return redis.error_reply('ERR commit.lua: cost increment ' .. costl[j] ..
-      ' is not an integer or repeated (a worker bug: report it)')
+      ' is repeated (a worker bug: report it)')
   end
-  incr[costl[j]] = v
+  seen[costl[j]] = true
+  local inc = costl[j + 1]
+  if inc ~= '0' and not string.match(inc, '^[1-9]%d*$') then
+    return redis.error_reply('ERR commit.lua: cost increment ' .. costl[j] .. ' = ' .. inc ..
+      ' is not a whole number >= 0 (a worker bug: report it)')
+  end
 end
 
--- 2. Key types (a write to a key of another type fails half-way otherwise).
-local function kind(key)
-  return redis.call('TYPE', key)['ok']
+-- 2. Key types. A read of a key of the wrong type fails before anything is written, so
+-- the reads below run with pcall and a failure is answered naming the key; a key only
+-- written (the dead stream, the dropped tombstones) is checked with TYPE, on the rare
+-- paths that write it.
+local function named(key, want)
+  local got = redis.call('TYPE', key)['ok']
+  return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. got .. ', not a ' .. want ..
+    ': rename or delete it (results wait until then)')
 end
 local function wrong(key, want)
-  local got = kind(key)
+  local got = redis.call('TYPE', key)['ok']
   if got ~= 'none' and got ~= want then
-    return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. got .. ', not a ' .. want ..
-      ': rename or delete it (results wait until then)')
+    return named(key, want)
   end
   return nil
 end
-local e = wrong(jobs, 'stream') or wrong(results, 'stream')
-  or (#deadl > 0 and wrong(dead, 'stream')) or (#costl > 0 and wrong(costs, 'hash'))
-  or wrong(marker, 'string') or wrong(dropped, 'zset')
-if e then
-  return e
+local function failed(r)
+  return type(r) == 'table' and r['err'] ~= nil
+end
+if #deadl > 0 then
+  local e = wrong(dead, 'stream')
+  if e then
+    return e
+  end
 end
 
 -- 3. Pending-ness and what the id already has.
@@ -151,7 +136,10 @@ local function field(kv, name)
   end
   return nil
 end
-local mval = redis.call('GET', marker)
+local mval = redis.pcall('GET', marker)
+if failed(mval) then
+  return named(marker, 'string')
+end
 local mrid, mstatus = nil, nil
 if mval then
   mrid, mstatus = string.match(mval, '^(.*)|([^|]*)$')
@@ -173,8 +161,19 @@ local function result_of_entry()
   end
   return nil, nil
 end
-local pending = #redis.call('XPENDING', jobs, group, entry, entry, 1) == 1
+local p = redis.pcall('XPENDING', jobs, group, entry, entry, 1)
+if failed(p) then
+  if redis.call('TYPE', jobs)['ok'] ~= 'stream' then
+    return named(jobs, 'stream')
+  end
+  return p
+end
+local pending = #p == 1
 if not pending then
+  local e = wrong(results, 'stream') or wrong(dropped, 'zset')
+  if e then
+    return e
+  end
   local rid, by = result_of_entry()
   if rid then
     if by == consumer then
@@ -194,36 +193,65 @@ if not pending then
   end
 end
 
--- 4. Cost totals fields: each HINCRBY must succeed, since it runs after the first write.
-for j = 1, #costl, 2 do
-  local f = costl[j]
-  local cur = redis.call('HGET', costs, f)
-  if cur then
-    local v = int64(cur)
-    local bad = nil
-    if not v then
-      bad = 'is not an integer'
-    elseif not norm(v[1] + incr[f][1], v[2] + incr[f][2]) then
-      bad = 'plus ' .. costl[j + 1] .. ' leaves the 64-bit integer range'
-    end
-    if bad then
-      local shown = cur
-      if #shown > 40 then
-        shown = string.sub(shown, 1, 40) .. '...'
-      end
-      return redis.error_reply('ERR ' .. costs .. ' field ' .. f .. ' holds "' .. shown .. '", which ' ..
-        bad .. ': fix or delete the field (cost totals are not added until then)')
+-- 4. Cost totals first, each undone if a later one (or the result's XADD) is refused:
+-- HINCRBY itself refuses a field that is not an integer as Redis reads one, or a sum
+-- that leaves the 64-bit range, exactly, so nothing is parsed here. Under `maxmemory` +
+-- `noeviction` the first write is refused before anything is written; after it Redis
+-- refuses no write of this script, so an undo cannot fail.
+local added = 0
+local function undo()
+  for j = 1, added * 2, 2 do
+    local f, inc = costl[j], costl[j + 1]
+    if inc ~= '0' and redis.call('HINCRBY', costs, f, '-' .. inc) == 0 then
+      -- the field was created by this commit (or held 0): leave no field behind
+      redis.call('HDEL', costs, f)
     end
   end
 end
+for j = 1, #costl, 2 do
+  local f, inc = costl[j], costl[j + 1]
+  local r = 0
+  if inc ~= '0' then
+    r = redis.pcall('HINCRBY', costs, f, inc)
+  end
+  if failed(r) then
+    undo()
+    if string.sub(r['err'], 1, 9) == 'WRONGTYPE' then
+      return named(costs, 'hash')
+    end
+    local bad
+    if string.find(r['err'], 'not an integer', 1, true) then
+      bad = 'is not an integer'
+    elseif string.find(r['err'], 'overflow', 1, true) then
+      bad = 'plus ' .. inc .. ' leaves the 64-bit integer range'
+    else
+      -- not about the field (OOM, say): the error as Redis gave it
+      return r
+    end
+    local cur = redis.call('HGET', costs, f) or ''
+    local shown = cur
+    if #shown > 40 then
+      shown = string.sub(shown, 1, 40) .. '...'
+    end
+    return redis.error_reply('ERR ' .. costs .. ' field ' .. f .. ' holds "' .. shown .. '", which ' ..
+      bad .. ': fix or delete the field (cost totals are not added until then)')
+  end
+  added = added + 1
+end
 
--- 5. Writes; the first one (XADD) is the one refused under OOM, before anything else.
-local id = redis.call('XADD', results, 'MAXLEN', '~', maxlen, '*', unpack(result))
+-- 5. The result (refused under OOM when it is the first write), then the rest.
+local id = redis.pcall('XADD', results, 'MAXLEN', '~', maxlen, '*', unpack(result))
+if failed(id) then
+  undo()
+  if string.sub(id['err'], 1, 9) == 'WRONGTYPE' then
+    return named(results, 'stream')
+  end
+  return id
+end
 if #deadl > 0 then
   redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', unpack(deadl))
 end
 for j = 1, #costl, 2 do
-  redis.call('HINCRBY', costs, costl[j], costl[j + 1])
   local model = string.match(costl[j], '^(.*):cost_picos$')
   if model then
     -- the expiry is set when a model's field is new (its first job of the day / month)
@@ -239,7 +267,7 @@ end
 if ttl > 0 and mstatus ~= 'ok' then
   redis.call('SET', marker, id .. '|' .. status, 'EX', ttl)
 end
-if kind(inflight) == 'string' and redis.call('GET', inflight) == entry then
+if redis.pcall('GET', inflight) == entry then
   redis.call('DEL', inflight)
 end
 if pending then

@@ -80,6 +80,10 @@ async fn results_key_of_wrong_type_leaves_the_job_pending() -> anyhow::Result<()
         "the error names the key\n{}",
         w.log()
     );
+    // The refused commits added nothing to the cost totals (the script adds them before
+    // the result's XADD and undoes them when the XADD is refused).
+    let totals: HashMap<String, String> = conn.hgetall("{llm}:cost").await?;
+    assert!(totals.is_empty(), "no cost total while refused: {totals:?}");
     // The operator fixes the key: the held result is written, the job not paid again.
     let _: () = conn.del("{llm}:results").await?;
     context(
@@ -90,6 +94,8 @@ async fn results_key_of_wrong_type_leaves_the_job_pending() -> anyhow::Result<()
     assert_eq!(results.len(), 1, "{results:?}");
     assert_eq!(results[0].1["status"], "ok", "{results:?}");
     assert_eq!(sim_calls(&sim).get("wt-1"), Some(&1));
+    let calls: String = conn.hget("{llm}:cost", "m1:calls").await?;
+    assert_eq!(calls, "1", "the call counted once");
     assert!(
         wait_for(Duration::from_secs(5), || {
             let mut c = conn.clone();
@@ -240,6 +246,8 @@ async fn redis_full_holds_the_result_then_commits_it_once() -> anyhow::Result<()
         "paid once\n{}",
         w.log()
     );
+    let calls: String = conn.hget("{llm}:cost", "m1:calls").await?;
+    assert_eq!(calls, "1", "the call counted once in the totals");
     assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
     Ok(())
 }
@@ -960,8 +968,12 @@ async fn bad_cost_total_field_gives_one_failed_result_naming_it() -> anyhow::Res
         assert_ne!(r["cost_usd"], "0", "the paid call is reported: {r:?}");
         let kept: String = conn.hget("{llm}:cost", field).await?;
         assert_eq!(kept, value, "the bad field is left alone");
-        let calls: Option<String> = conn.hget("{llm}:cost", "m1:calls").await?;
-        assert_eq!(calls, None, "no cost total half-written");
+        let totals: HashMap<String, String> = conn.hgetall("{llm}:cost").await?;
+        assert_eq!(
+            totals,
+            HashMap::from([(field.to_string(), value.to_string())]),
+            "no cost total half-written (fields added before the refused one undone)"
+        );
         assert_eq!(sim_calls(&sim).get(job_id), Some(&1));
         let _: () = conn.hdel("{llm}:cost", field).await?;
     }

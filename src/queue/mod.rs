@@ -627,15 +627,22 @@ impl Queue {
         })
     }
 
-    /// For each job id, whether it has a cancel marker (`{ns}:cancel:<id>`, any type): one
-    /// round trip.
+    /// For each job id, whether it has a cancel marker (`{ns}:cancel:<id>`, a string as
+    /// `cancel` and the README's `SET` write it): one command for the whole batch.
     pub async fn cancelled(&self, job_ids: &[&str]) -> Result<Vec<bool>, QueueError> {
-        let mut pipe = redis::pipe();
+        if job_ids.is_empty() {
+            return Ok(vec![]);
+        }
+        // One MGET for the batch (one command, not one per id): every key shares the
+        // namespace's hash tag, so this also holds on Redis Cluster. A marker is a string
+        // (`SET ... EX`); a key of another type reads as nil, i.e. not cancelled.
+        let mut cmd = redis::cmd("MGET");
         for id in job_ids {
-            pipe.exists(self.keys.cancel(id));
+            cmd.arg(self.keys.cancel(id));
         }
         let mut conn = self.conn.get().await?;
-        Ok(pipe.query_async(&mut conn).await?)
+        let found: Vec<Option<Vec<u8>>> = cmd.query_async(&mut conn).await?;
+        Ok(found.into_iter().map(|v| v.is_some()).collect())
     }
 
     /// Resets the idle time of entries this consumer is still working on, and extends

@@ -53,6 +53,9 @@ impl Bill {
         ));
     }
 
+    /// The `{ns}:cost` increments of this job: five per model it called, less those that
+    /// are zero (a field missing from the hash reads as 0, so a zero costs a command and
+    /// adds nothing).
     pub(super) fn cost_fields(&self) -> Vec<(String, i64)> {
         let mut out = vec![];
         for (m, (u, c, calls)) in &self.per_model {
@@ -61,11 +64,17 @@ impl Bill {
                 tracing::error!(model = %m, cost = %c, "cost is not whole pico-dollars; total rounded");
                 cost::to_picos(c.round_dp(12)).unwrap_or(0)
             });
-            out.push((format!("{m}:cost_picos"), picos));
-            out.push((format!("{m}:input_tokens"), u.prompt_tokens as i64));
-            out.push((format!("{m}:output_tokens"), u.completion_tokens as i64));
-            out.push((format!("{m}:cached_tokens"), u.cached_tokens as i64));
-            out.push((format!("{m}:calls"), *calls as i64));
+            let fields = [
+                ("cost_picos", picos),
+                ("input_tokens", u.prompt_tokens as i64),
+                ("output_tokens", u.completion_tokens as i64),
+                ("cached_tokens", u.cached_tokens as i64),
+                ("calls", *calls as i64),
+            ];
+            // A zero adds nothing: no command for it (a missing field reads as 0).
+            for (name, v) in fields.into_iter().filter(|(_, v)| *v != 0) {
+                out.push((format!("{m}:{name}"), v));
+            }
         }
         out
     }

@@ -1070,6 +1070,17 @@ impl Worker {
         let Some(mc) = self.cfg.models.get(model) else {
             return Quota::Skip(format!("budget: unknown model {model}"));
         };
+        let limited = mc.rpm.is_some()
+            || mc.tpm.is_some()
+            || self
+                .cfg
+                .providers
+                .get(&mc.provider)
+                .is_some_and(|p| p.rpm.is_some() || p.tpm.is_some());
+        if self.budgets.is_empty() && !limited {
+            // Nothing to reserve: no id drawn (a getrandom call per job otherwise).
+            return Quota::Yes(None);
+        }
         // One id for every try: a try whose reply was lost is not reserved twice.
         let id = uuid::Uuid::new_v4().simple().to_string();
         let budget = if self.budgets.is_empty() {
@@ -1084,13 +1095,6 @@ impl Worker {
                 Err(e) => return on_exhausted(e),
             }
         };
-        let limited = mc.rpm.is_some()
-            || mc.tpm.is_some()
-            || self
-                .cfg
-                .providers
-                .get(&mc.provider)
-                .is_some_and(|p| p.rpm.is_some() || p.tpm.is_some());
         let rate = if limited {
             let tokens = crate::ratelimit::token_estimate(&job.body, mc);
             self.rates.ask(&id, model, tokens)
