@@ -21,6 +21,10 @@ pub enum ConnectError {
     Timeout(Duration),
     #[error("redis sentinel: {0} (retry: the Sentinels may be electing a new master)")]
     Sentinel(String),
+    #[error(
+        "redis cluster: {0} (retry: the cluster may be moving the namespace's slot or failing over)"
+    )]
+    Cluster(String),
 }
 
 from_cause!(ConnectError, ConnectError::Redis, redis::RedisError);
@@ -73,6 +77,9 @@ fn info_for_url(cfg: &Config, url: &str) -> Result<ConnectionInfo, ConnectError>
 /// Asked at every (re)connect, never cached: after a failover the next connection goes
 /// to the new master.
 pub async fn master_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
+    if cfg.redis.cluster {
+        return cluster_master(cfg).await;
+    }
     if cfg.redis.sentinel_master.is_empty() {
         return connection_info(cfg);
     }
@@ -100,6 +107,119 @@ pub async fn master_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
     Err(ConnectError::Sentinel(last))
 }
 
+/// With `redis.cluster`: the master serving the namespace's hash slot, as the seed nodes
+/// (`redis.url`, then `redis.urls`, all asked at once, each bounded; the first in list
+/// order that answers wins) see it now, with `redis.url`'s scheme, user and password.
+///
+/// Why one node connection and not redis-rs's cluster client: every key of a namespace
+/// carries its hash tag `{ns}`, so the whole namespace lives in one slot on one master,
+/// and every command the worker sends goes there. A plain connection to that master also
+/// serves what a cluster client routes elsewhere or not at all: the blocking
+/// XREADGROUP and its `CLIENT UNBLOCK` (same node, same client id), `SCAN` of the
+/// namespace's keys, `INFO`. When the slot moves, the old master answers `MOVED`: the
+/// connection is dropped and the next one asks the seeds again (see [`CommandConn`]).
+/// While the slot migrates, `ASK` / `TRYAGAIN` answers fail the command before it runs
+/// (a script never runs with half of its keys); callers retry as after any error that
+/// heals, until the slot has moved.
+async fn cluster_master(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
+    let seeds: Vec<&String> = std::iter::once(&cfg.redis.url)
+        .chain(cfg.redis.urls.iter())
+        .collect();
+    let tag = format!("{{{}}}:jobs", cfg.queue.namespace);
+    let answers = futures::future::join_all(seeds.iter().map(|s| ask_seed(cfg, s, &tag))).await;
+    let mut last = String::from("no seed node answered");
+    for (seed, answer) in seeds.iter().zip(answers) {
+        match answer {
+            Ok((host, port)) => {
+                tracing::debug!(%host, port, "cluster: the namespace's slot is served here");
+                return info_for_url(cfg, &master_url(&cfg.redis.url, &host, port)?);
+            }
+            Err(e) => last = format!("seed {}: {e}", crate::config::redact_url(seed)),
+        }
+    }
+    Err(ConnectError::Cluster(last))
+}
+
+/// A short-lived connection to a Sentinel or a seed node: 2 s to connect, 2 s per reply.
+async fn discovery_connection(info: ConnectionInfo) -> redis::RedisResult<MultiplexedConnection> {
+    let conn_cfg = AsyncConnectionConfig::new()
+        .set_response_timeout(Some(Duration::from_secs(2)))
+        .set_connection_timeout(Some(Duration::from_secs(2)));
+    redis::Client::open(info)?
+        .get_multiplexed_async_connection_with_config(&conn_cfg)
+        .await
+}
+
+/// `CLUSTER KEYSLOT` of `key` and the master serving that slot in `CLUSTER SLOTS`, from
+/// one seed node, bounded by 3 s.
+async fn ask_seed(cfg: &Config, seed: &str, key: &str) -> Result<(String, u16), ConnectError> {
+    let info = info_for_url(cfg, seed)?;
+    let asked = async {
+        let mut c = discovery_connection(info).await?;
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query_async(&mut c)
+            .await?;
+        let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query_async(&mut c)
+            .await?;
+        Ok::<_, ConnectError>((slot, ranges))
+    };
+    let (slot, ranges) = match tokio::time::timeout(Duration::from_secs(3), asked).await {
+        Ok(r) => r?,
+        Err(_) => return Err(ConnectError::Timeout(Duration::from_secs(3))),
+    };
+    let seed_host = url::Url::parse(seed)
+        .ok()
+        .and_then(|u| u.host_str().map(|h| h.trim_matches(['[', ']']).to_string()))
+        .unwrap_or_default();
+    owner_of(slot, &ranges, &seed_host).ok_or_else(|| {
+        ConnectError::Cluster(format!(
+            "no master serves slot {slot} of {key} (is the cluster complete? redis-cli --cluster check)"
+        ))
+    })
+}
+
+/// The master (host, port) of `slot` in a `CLUSTER SLOTS` reply: ranges of
+/// `[start, end, [host, port, id, ...], replicas...]`. An empty or `?` host means the
+/// node answering (`seed_host`).
+fn owner_of(slot: i64, ranges: &[redis::Value], seed_host: &str) -> Option<(String, u16)> {
+    use redis::Value;
+    let int = |v: &Value| match v {
+        Value::Int(i) => Some(*i),
+        _ => None,
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    for r in ranges {
+        let Value::Array(parts) = r else { continue };
+        let (Some(start), Some(end)) = (parts.first().and_then(int), parts.get(1).and_then(int))
+        else {
+            continue;
+        };
+        if slot < start || slot > end {
+            continue;
+        }
+        let Some(Value::Array(master)) = parts.get(2) else {
+            return None;
+        };
+        let host = master.first().and_then(text).unwrap_or_default();
+        let port = master.get(1).and_then(int)?;
+        let host = if host.is_empty() || host == "?" {
+            seed_host.to_string()
+        } else {
+            host
+        };
+        return Some((host, u16::try_from(port).ok()?));
+    }
+    None
+}
+
 /// `url` with its host and port replaced by the master's (an IPv6 address bracketed).
 fn master_url(url: &str, host: &str, port: u16) -> Result<String, ConnectError> {
     let mut u = url::Url::parse(url).map_err(|e| ConnectError::Url(format!("redis.url: {e}")))?;
@@ -124,14 +244,8 @@ async fn ask_sentinel(cfg: &Config, sentinel: &str) -> Result<Option<(String, u1
         let settings = info.redis_settings().clone().set_password(pw.expose());
         info = info.set_redis_settings(settings);
     }
-    let client = redis::Client::open(info)?;
-    let conn_cfg = AsyncConnectionConfig::new()
-        .set_response_timeout(Some(Duration::from_secs(2)))
-        .set_connection_timeout(Some(Duration::from_secs(2)));
     let asked = async {
-        let mut c = client
-            .get_multiplexed_async_connection_with_config(&conn_cfg)
-            .await?;
+        let mut c = discovery_connection(info).await?;
         redis::cmd("SENTINEL")
             .arg("get-master-addr-by-name")
             .arg(&cfg.redis.sentinel_master)
@@ -176,10 +290,10 @@ async fn check_master(cfg: &Config, c: &mut MultiplexedConnection) -> Result<(),
 
 /// The shared connection for ordinary (non-blocking) commands (see [`Commands`]).
 pub fn commands(cfg: &Config) -> Result<Commands, ConnectError> {
-    let source = if cfg.redis.sentinel_master.is_empty() {
+    let source = if cfg.redis.sentinel_master.is_empty() && !cfg.redis.cluster {
         Source::Pool(command_pool(cfg, 4)?)
     } else {
-        Source::Sentinel(std::sync::Arc::new(cfg.clone()))
+        Source::Discovered(std::sync::Arc::new(cfg.clone()))
     };
     Ok(Commands::new(source, cfg.redis.command_timeout_ms))
 }
@@ -249,9 +363,10 @@ pub struct Commands {
 pub enum Source {
     /// A fixed address: the deadpool-redis pool.
     Pool(deadpool_redis::Pool),
-    /// `redis.sentinel_master`: asked of the Sentinels at every connect (a pool's fixed
-    /// address would keep going to a demoted master after a failover).
-    Sentinel(std::sync::Arc<Config>),
+    /// `redis.sentinel_master` or `redis.cluster`: the master asked of the Sentinels or
+    /// the seed nodes at every connect (a pool's fixed address would keep going to a
+    /// demoted master after a failover, or to the old owner of a moved slot).
+    Discovered(std::sync::Arc<Config>),
 }
 
 struct CommandsInner {
@@ -291,7 +406,7 @@ impl Commands {
                 c.set_response_timeout(self.inner.timeout);
                 c
             }
-            Source::Sentinel(cfg) => master_connection(cfg, Some(self.inner.timeout))
+            Source::Discovered(cfg) => master_connection(cfg, Some(self.inner.timeout))
                 .await
                 .map_err(|e| match e {
                     ConnectError::Redis(e) => deadpool_redis::PoolError::Backend(e),
@@ -321,7 +436,7 @@ impl Commands {
             metrics::counter!("llm_worker_redis_reconnects_total").increment(1);
             tracing::debug!(
                 generation,
-                "redis command connection dropped after a timeout or IO error"
+                "redis command connection dropped after a timeout, an IO error or a reply from the wrong node (READONLY, MOVED)"
             );
         }
     }
@@ -337,17 +452,33 @@ pub struct CommandConn {
 
 impl CommandConn {
     fn check<T>(&self, r: redis::RedisResult<T>) -> redis::RedisResult<T> {
-        // READONLY: the master was demoted under this connection (a failover); a fresh
-        // connection asks the Sentinels again.
+        // READONLY: the master was demoted under this connection (a failover); MOVED:
+        // the namespace's cluster slot is served elsewhere now. A fresh connection asks
+        // the Sentinels or the seed nodes again.
         if let Err(e) = &r
             && (e.is_timeout()
                 || e.is_io_error()
                 || e.is_connection_dropped()
-                || e.code() == Some("READONLY"))
+                || wrong_node(e.code()))
         {
             self.owner.discard(self.generation);
         }
         r
+    }
+}
+
+/// Whether a server error says the connection is to the wrong node now: READONLY (a
+/// demoted master) or MOVED (the namespace's cluster slot is served elsewhere).
+fn wrong_node(code: Option<&str>) -> bool {
+    matches!(code, Some("READONLY" | "MOVED"))
+}
+
+/// Whether a reply carries such a server error (redis-rs hands server errors back as
+/// `Value::ServerError` in an `Ok`, converted to an `Err` only by the caller's parse).
+fn replies_wrong_node(v: &redis::Value) -> bool {
+    match v {
+        redis::Value::ServerError(e) => wrong_node(Some(e.code())),
+        _ => false,
     }
 }
 
@@ -358,6 +489,9 @@ impl redis::aio::ConnectionLike for CommandConn {
     ) -> redis::RedisFuture<'a, redis::Value> {
         Box::pin(async move {
             let r = self.conn.req_packed_command(cmd).await;
+            if r.as_ref().is_ok_and(replies_wrong_node) {
+                self.owner.discard(self.generation);
+            }
             self.check(r)
         })
     }
@@ -370,6 +504,9 @@ impl redis::aio::ConnectionLike for CommandConn {
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
         Box::pin(async move {
             let r = self.conn.req_packed_commands(pipeline, offset, count).await;
+            if r.as_ref().is_ok_and(|vs| vs.iter().any(replies_wrong_node)) {
+                self.owner.discard(self.generation);
+            }
             self.check(r)
         })
     }

@@ -4,8 +4,8 @@
 //!
 //! Invariant: every key a script touches shares the `{namespace}` hash tag. The queue
 //! scripts (and `replay.lua`) pass every key in KEYS; the slot scripts also build keys from ARGV prefixes
-//! (waiter liveness, hand-off lists, restored slot keys), so they need a standalone Redis
-//! (Redis Cluster is not supported; see the README).
+//! (waiter liveness, hand-off lists, restored slot keys): allowed by Redis Cluster (same
+//! slot), refused by proxies that enforce declared keys (see the README's Cluster notes).
 
 use redis::Script;
 use std::sync::LazyLock;

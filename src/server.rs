@@ -45,7 +45,41 @@ async fn ready(State(s): State<AppState>) -> (StatusCode, &'static str) {
 }
 
 async fn render_metrics(State(s): State<AppState>) -> String {
-    s.prom.as_ref().map(|h| h.render()).unwrap_or_default()
+    with_usd(s.prom.as_ref().map(|h| h.render()).unwrap_or_default())
+}
+
+/// Adds `llm_worker_cost_usd_total{model}` to a rendered scrape, derived from
+/// `llm_worker_cost_picodollars_total{model}` (value / 10^12). Why derived: the metrics
+/// crate's counters are integers, and exact cost is kept in whole pico-dollars (prices
+/// have at most 6 decimals per million tokens); Prometheus counters are floats, so USD is
+/// what dashboards want. Invariant: both series always show the same spend.
+fn with_usd(mut text: String) -> String {
+    const PICOS: &str = "llm_worker_cost_picodollars_total";
+    let usd: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix(PICOS))
+        .filter(|rest| rest.starts_with(['{', ' ']))
+        .filter_map(|rest| {
+            let (labels, v) = rest.rsplit_once(' ')?;
+            let picos: u64 = v.parse().ok()?;
+            Some(format!(
+                "llm_worker_cost_usd_total{labels} {}\n",
+                picos as f64 / 1e12
+            ))
+        })
+        .collect();
+    if usd.is_empty() {
+        return text;
+    }
+    if !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str("# HELP llm_worker_cost_usd_total What billed calls cost, in USD (llm_worker_cost_picodollars_total / 1e12).\n");
+    text.push_str("# TYPE llm_worker_cost_usd_total counter\n");
+    for l in usd {
+        text.push_str(&l);
+    }
+    text
 }
 
 /// Serves on an already-bound listener until `shutdown` fires (tests bind 127.0.0.1:0).
@@ -82,4 +116,35 @@ pub fn metrics_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
         .expect("non-empty buckets");
     b.set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LLM_SECONDS)
         .expect("non-empty buckets")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_usd;
+
+    #[test]
+    fn usd_series_follow_the_picodollar_counters() {
+        let text = "# TYPE llm_worker_cost_picodollars_total counter\nllm_worker_cost_picodollars_total{model=\"a\"} 46900000\nllm_worker_cost_picodollars_total{model=\"b\"} 2500000000000\nllm_worker_cost_picodollars_total_other 5\nllm_worker_jobs_total 3";
+        let out = with_usd(text.to_string());
+        assert!(out.starts_with(text), "{out}");
+        assert!(
+            out.contains("# TYPE llm_worker_cost_usd_total counter\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("llm_worker_cost_usd_total{model=\"a\"} 0.0000469\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("llm_worker_cost_usd_total{model=\"b\"} 2.5\n"),
+            "{out}"
+        );
+        assert_eq!(
+            out.matches("llm_worker_cost_usd_total{").count(),
+            2,
+            "{out}"
+        );
+        let none = "llm_worker_jobs_total 3\n";
+        assert_eq!(with_usd(none.to_string()), none);
+    }
 }

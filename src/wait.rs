@@ -60,7 +60,8 @@ pub async fn enqueue_and_wait(
     let mut done = 0;
     progress(0, ids.len());
     let deadline = timeout.map(|t| Instant::now() + t);
-    let mut bc = blocking_connection(cfg).await?;
+    let mut bc = Some(blocking_connection(cfg).await?);
+    let mut warned = false;
     while done < ids.len() {
         let block = match deadline {
             Some(d) => {
@@ -72,16 +73,56 @@ pub async fn enqueue_and_wait(
             }
             None => Duration::from_secs(1),
         };
-        let read: ReadReply = redis::cmd("XREAD")
-            .arg("COUNT")
-            .arg(500)
-            .arg("BLOCK")
-            .arg(block.as_millis().max(1) as u64)
-            .arg("STREAMS")
-            .arg(&keys.results)
-            .arg(&last)
-            .query_async(&mut bc)
-            .await?;
+        // Each read is bounded (the blocking connection has no reply timeout of its own):
+        // a Redis that hangs or is cut off ends this read, the connection is made again
+        // (reading on from `last`, so nothing is missed) and the wait still ends by its
+        // timeout, not when TCP gives up.
+        let read = match bc.as_mut() {
+            Some(c) => {
+                let mut cmd = redis::cmd("XREAD");
+                cmd.arg("COUNT")
+                    .arg(500)
+                    .arg("BLOCK")
+                    .arg(block.as_millis().max(1) as u64)
+                    .arg("STREAMS")
+                    .arg(&keys.results)
+                    .arg(&last);
+                let bound = block + Duration::from_secs(2);
+                match tokio::time::timeout(bound, cmd.query_async::<ReadReply>(c)).await {
+                    Ok(Ok(r)) => Some(r),
+                    Ok(Err(e)) if !(e.is_io_error() || e.is_connection_dropped()) => {
+                        return Err(e.into());
+                    }
+                    Ok(Err(e)) => {
+                        lost(&mut warned, &e.to_string());
+                        None
+                    }
+                    Err(_) => {
+                        lost(&mut warned, &format!("no reply within {bound:?}"));
+                        None
+                    }
+                }
+            }
+            None => {
+                // Reconnect (bounded by 3 s), at most once a second.
+                match blocking_connection(cfg).await {
+                    Ok(c) => {
+                        bc = Some(c);
+                        warned = false;
+                        continue;
+                    }
+                    Err(e) => {
+                        lost(&mut warned, &e.to_string());
+                        tokio::time::sleep(Duration::from_secs(1).min(block)).await;
+                        continue;
+                    }
+                }
+            }
+        };
+        let Some(read) = read else {
+            bc = None;
+            continue;
+        };
         for e in read.0 {
             last = e.id.clone();
             let fields = e.fields.unwrap_or_default();
@@ -106,6 +147,13 @@ pub async fn enqueue_and_wait(
         jobs: ids.into_iter().zip(got).collect(),
         timed_out,
     })
+}
+
+/// Says once per outage that the results cannot be read now (the wait goes on).
+fn lost(warned: &mut bool, why: &str) {
+    if !std::mem::replace(warned, true) {
+        tracing::warn!(error = %why, "results not readable from Redis now; reconnecting (the wait goes on until --timeout)");
+    }
 }
 
 #[cfg(test)]

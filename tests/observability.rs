@@ -65,6 +65,34 @@ async fn metrics_are_histograms_and_carry_cost_tokens_and_queue_gauges() {
         assert!(text.contains(name), "{name} missing from /metrics:\n{text}");
     }
     assert!(!text.contains("quantile="), "no summaries:\n{text}");
+    // Cost in USD too, as Prometheus counters are (floats): the exact pico-dollar count
+    // over 10^12, and the cost totals in Redis agree.
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}{{model=\"m1\"}} ")))
+            .unwrap_or_else(|| panic!("{name} missing:\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(
+        text.contains("# TYPE llm_worker_cost_usd_total counter"),
+        "{text}"
+    );
+    let picos = value("llm_worker_cost_picodollars_total");
+    let usd = value("llm_worker_cost_usd_total");
+    assert!(picos > 0.0, "{text}");
+    assert!(
+        (usd - picos / 1e12).abs() < 1e-15,
+        "usd {usd} vs picos {picos}"
+    );
+    let billed: String = redis::AsyncCommands::hget(&mut conn, "{llm}:cost", "m1:cost_picos")
+        .await
+        .unwrap();
+    assert_eq!(
+        billed.parse::<f64>().unwrap(),
+        picos,
+        "/metrics and Redis agree"
+    );
     assert!(
         text.contains("llm_worker_pool_slots{pool=\"default\"} 4"),
         "N of each pool:\n{text}"

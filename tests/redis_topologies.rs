@@ -268,14 +268,6 @@ impl Drop for Sentinel {
     }
 }
 
-async fn tcp_conn(port: u16) -> redis::aio::MultiplexedConnection {
-    redis::Client::open(format!("redis://127.0.0.1:{port}"))
-        .expect("client")
-        .get_multiplexed_async_connection()
-        .await
-        .expect("connect")
-}
-
 /// One master, one replica, one Sentinel, two workers that find the master through the
 /// Sentinel (their `redis.url` names a port nothing listens on). Jobs flow; then
 /// SENTINEL FAILOVER promotes the replica while calls are in flight; more jobs are

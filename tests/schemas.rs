@@ -266,3 +266,61 @@ async fn enqueue_wait_prints_the_answer_and_exits_by_how_the_jobs_ended() -> any
     stop_clean(&mut w, T).await;
     Ok(())
 }
+
+/// A Redis that stops answering (SIGSTOP: a hung server, or a partition) while
+/// `enqueue --wait --timeout` waits: the wait still ends by its timeout (exit 124), not
+/// when TCP gives up. The results read is bounded and made again on a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_wait_ends_by_its_timeout_when_redis_hangs() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "e.toml");
+    let cfg_s = cfg.to_str().unwrap().to_string();
+    let conn = redis.conn().await;
+    // No worker: the job is never answered.
+    let waiting = tokio::spawn(async move {
+        run_bin_async(
+            &[
+                "--config",
+                &cfg_s,
+                "enqueue",
+                "--prompt",
+                "hi",
+                "--id",
+                "hang-1",
+                "--wait",
+                "--timeout",
+                "4s",
+            ],
+            &[],
+            Duration::from_secs(30),
+        )
+        .await
+    });
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            let mut c = conn.clone();
+            async move { try_xlen(&mut c, "{llm}:jobs").await.unwrap_or(0) == 1 }
+        })
+        .await,
+        "the job was pushed"
+    );
+    // Into its blocking read, then Redis hangs.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = redis.pid().expect("redis pid");
+    signal(pid, "STOP");
+    let began = tokio::time::Instant::now();
+    let out = waiting.await?;
+    signal(pid, "CONT");
+    let took = began.elapsed();
+    assert_eq!(out.code, Some(124), "timed out, not hung: {}", out.all());
+    assert!(
+        took < Duration::from_secs(12),
+        "ended by its 4 s timeout, not by TCP ({took:?}): {}",
+        out.all()
+    );
+    assert!(out.stderr.contains("hang-1"), "{}", out.all());
+    Ok(())
+}

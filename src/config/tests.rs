@@ -762,6 +762,16 @@ fn config_redis_topology_keys_name_what_is_wrong() {
     let c = demo_redis("sentinel_master = \"mymaster\"\nurls = [\"redis://127.0.0.1:26379\"]")
         .expect("sentinel");
     assert_eq!(c.redis.urls.len(), 1);
+    let c = demo_redis("cluster = true\nurls = [\"redis://127.0.0.1:7001\"]").expect("cluster");
+    assert!(c.redis.cluster);
+    for url in ["unix:///tmp/r.sock", "redis://127.0.0.1:7000/3"] {
+        let e = demo_with(
+            "url = \"redis://127.0.0.1:6379\"",
+            &format!("url = \"{url}\"\ncluster = true"),
+        );
+        let (key, message) = err_key(e);
+        assert_eq!(key, "redis.url", "{url}: {message}");
+    }
     for (lines, want_key) in [
         ("sentinel_master = \"m\"", "redis.urls"),
         ("urls = [\"redis://127.0.0.1:26379\"]", "redis.urls"),
@@ -773,7 +783,10 @@ fn config_redis_topology_keys_name_what_is_wrong() {
             "sentinel_master = \"m\"\nurls = [\"unix:///tmp/s.sock\"]",
             "redis.urls[0]",
         ),
-        ("cluster = true", "redis.cluster"),
+        (
+            "cluster = true\nsentinel_master = \"m\"\nurls = [\"redis://127.0.0.1:26379\"]",
+            "redis.cluster",
+        ),
         ("username = \"a b\"", "redis.username"),
         (
             "password_file = \"/nonexistent/llm-worker-pw\"",

@@ -183,10 +183,21 @@ impl Config {
             ));
         }
         if r.cluster {
-            return Err(ConfigError::invalid(
-                "redis.cluster",
-                "Redis Cluster is not supported yet: run one Redis (or Sentinel) per namespace; see README, Redis topologies",
-            ));
+            require(
+                r.url.starts_with("redis://") || r.url.starts_with("rediss://"),
+                "redis.url",
+                "must be redis://host:port or rediss://host:port (a seed node) with redis.cluster = true",
+            )?;
+            let db = split_redis_url(&r.url)
+                .ok()
+                .and_then(|u| url::Url::parse(&u.url).ok())
+                .map(|u| u.path().trim_matches('/').to_string())
+                .unwrap_or_default();
+            require(
+                db.is_empty() || db == "0",
+                "redis.url",
+                "must name database 0 (or none) with redis.cluster = true: a Redis Cluster has only database 0",
+            )?;
         }
         r.sentinel_password = None;
         if !r.sentinel_password_env.is_empty()

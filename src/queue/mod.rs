@@ -73,7 +73,9 @@ impl QueueError {
             QueueError::Pool(deadpool_redis::PoolError::Backend(e)) => redis_error_heals(e),
             QueueError::Pool(_) | QueueError::Timeout(_) => true,
             QueueError::Connect(ConnectError::Redis(e)) => redis_error_heals(e),
-            QueueError::Connect(ConnectError::Timeout(_) | ConnectError::Sentinel(_)) => true,
+            QueueError::Connect(
+                ConnectError::Timeout(_) | ConnectError::Sentinel(_) | ConnectError::Cluster(_),
+            ) => true,
             QueueError::Connect(ConnectError::Url(_)) => false,
         }
     }

@@ -1161,3 +1161,13 @@ pub fn calls_to(sim: &SimHandle, model: &str) -> u64 {
         .map(|m| m.values().sum())
         .unwrap_or(0)
 }
+
+/// A plain connection to a loopback redis-server on `port` (a cluster node, a Sentinel's
+/// master or replica).
+pub async fn tcp_conn(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}"))
+        .expect("client")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect")
+}
