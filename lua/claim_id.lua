@@ -1,7 +1,7 @@
 -- Idempotency by job id: decide, in one step, whether this entry may call a model.
 -- KEYS[1] result marker of the id ({ns}:done:<id>, value "<result entry id>|<status>")
 -- KEYS[2] in-progress marker of the id ({ns}:inflight:<id>, value = the job entry id)
--- KEYS[3] cancel marker of the id ({ns}:cancel:<id>, any value)
+-- KEYS[3] cancel marker of the id ({ns}:cancel:<id>, a string, any value)
 -- ARGV[1] this job's entry id   ARGV[2] in-progress marker ttl ms
 -- Returns {'done', marker}: the id already has an `ok` result (acknowledge, no model
 --                           call); a `failed` or `dead` result does not count: the id
@@ -12,7 +12,6 @@
 --         {'cancelled', ''}: the id has a cancel marker (and no `ok` result): end it
 --                            `cancelled` with no model call.
 -- Errors: `WRONGTYPE <key> ...` when a marker key holds another type (it will not heal).
--- The cancel marker may be of any type: only its existence counts.
 for _, k in ipairs({KEYS[1], KEYS[2]}) do
   local t = redis.call('TYPE', k)['ok']
   if t ~= 'none' and t ~= 'string' then
@@ -27,7 +26,9 @@ if done then
     return {'done', done}
   end
 end
-if redis.call('EXISTS', KEYS[3]) == 1 then
+-- A cancel marker is a string (`cancel`, `SET ... EX`), read as the reader's batch MGET
+-- reads it: a key of another type at that name is not a marker.
+if type(redis.pcall('GET', KEYS[3])) == 'string' then
   return {'cancelled', ''}
 end
 local cur = redis.call('GET', KEYS[2])

@@ -25,8 +25,8 @@
 -- wrong type) run first, with pcall, and a refusal undoes the increments made before it;
 -- the first write is one Redis refuses under `maxmemory` + `noeviction` before anything
 -- is written (after it Redis refuses no write of the script), and the XACK comes last.
--- Per job on the common path: GET, XPENDING, one HINCRBY per non-zero cost field, XADD,
--- SET, GET, XACK, XDEL (no TYPE, no HGET). Invariant: the entry is acknowledged only if
+-- Per job on the common path: GET, XPENDING, HMGET, one HINCRBY per non-zero cost field,
+-- XADD, SET, GET, XACK, XDEL (no TYPE, no HGET). Invariant: the entry is acknowledged only if
 -- its result was written in the same call, and a refused call leaves every key as it was.
 --
 -- Returns {'written', result id}: written now;
@@ -163,9 +163,11 @@ local function result_of_entry()
 end
 local p = redis.pcall('XPENDING', jobs, group, entry, entry, 1)
 if failed(p) then
-  if redis.call('TYPE', jobs)['ok'] ~= 'stream' then
+  local t = redis.call('TYPE', jobs)['ok']
+  if t ~= 'stream' and t ~= 'none' then
     return named(jobs, 'stream')
   end
+  -- no such stream or group (NOGROUP): as Redis says it
   return p
 end
 local pending = #p == 1
@@ -198,13 +200,30 @@ end
 -- that leaves the 64-bit range, exactly, so nothing is parsed here. Under `maxmemory` +
 -- `noeviction` the first write is refused before anything is written; after it Redis
 -- refuses no write of this script, so an undo cannot fail.
+-- What each field holds now (one HMGET), so an undo puts back exactly that: the old
+-- value, or no field at all.
+local before = {}
+if #costl > 0 then
+  local names = {}
+  for j = 1, #costl, 2 do
+    names[#names + 1] = costl[j]
+  end
+  before = redis.pcall('HMGET', costs, unpack(names))
+  if failed(before) then
+    if string.sub(before['err'], 1, 9) == 'WRONGTYPE' then
+      return named(costs, 'hash')
+    end
+    return before
+  end
+end
 local added = 0
 local function undo()
   for j = 1, added * 2, 2 do
-    local f, inc = costl[j], costl[j + 1]
-    if inc ~= '0' and redis.call('HINCRBY', costs, f, '-' .. inc) == 0 then
-      -- the field was created by this commit (or held 0): leave no field behind
-      redis.call('HDEL', costs, f)
+    local old = before[(j + 1) / 2]
+    if old then
+      redis.call('HSET', costs, costl[j], old)
+    else
+      redis.call('HDEL', costs, costl[j])
     end
   end
 end

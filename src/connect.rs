@@ -177,7 +177,7 @@ async fn ask_seed(cfg: &Config, seed: &str, key: &str) -> Result<(String, u16), 
         .unwrap_or_default();
     owner_of(slot, &ranges, &seed_host).ok_or_else(|| {
         ConnectError::Cluster(format!(
-            "no master serves slot {slot} of {key} (is the cluster complete? redis-cli --cluster check)"
+            "no master with a known endpoint serves slot {slot} of {key} (is the cluster complete? redis-cli --cluster check; with cluster-preferred-endpoint-type hostname, set cluster-announce-hostname)"
         ))
     })
 }
@@ -210,7 +210,12 @@ fn owner_of(slot: i64, ranges: &[redis::Value], seed_host: &str) -> Option<(Stri
         };
         let host = master.first().and_then(text).unwrap_or_default();
         let port = master.get(1).and_then(int)?;
-        let host = if host.is_empty() || host == "?" {
+        // "" (or NULL): the node that answered; "?": an endpoint it does not know (a
+        // hostname endpoint with none announced), so this seed cannot say where.
+        if host == "?" {
+            return None;
+        }
+        let host = if host.is_empty() {
             seed_host.to_string()
         } else {
             host
@@ -468,9 +473,10 @@ impl CommandConn {
 }
 
 /// Whether a server error says the connection is to the wrong node now: READONLY (a
-/// demoted master) or MOVED (the namespace's cluster slot is served elsewhere).
+/// demoted master), MOVED (the namespace's cluster slot is served elsewhere) or
+/// CLUSTERDOWN (this node lost the cluster; a replica may be promoted elsewhere).
 fn wrong_node(code: Option<&str>) -> bool {
-    matches!(code, Some("READONLY" | "MOVED"))
+    matches!(code, Some("READONLY" | "MOVED" | "CLUSTERDOWN"))
 }
 
 /// Whether a reply carries such a server error (redis-rs hands server errors back as
@@ -573,5 +579,41 @@ mod tests {
         assert!(refused_access("WRONGPASS invalid username-password pair"));
         assert!(refused_access("NOPERM this user has no permissions"));
         assert!(!refused_access("Connection refused (os error 111)"));
+    }
+}
+
+#[cfg(test)]
+mod cluster_tests {
+    use super::owner_of;
+    use redis::Value;
+
+    fn range(start: i64, end: i64, host: &str, port: i64) -> Value {
+        Value::Array(vec![
+            Value::Int(start),
+            Value::Int(end),
+            Value::Array(vec![
+                Value::BulkString(host.as_bytes().to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ]),
+        ])
+    }
+
+    #[test]
+    fn the_slot_owner_is_read_from_cluster_slots() {
+        let reply = [
+            range(0, 5460, "10.0.0.1", 7000),
+            range(5461, 10922, "", 7001),
+            range(10923, 16383, "?", 7002),
+        ];
+        assert_eq!(
+            owner_of(42, &reply, "seed"),
+            Some(("10.0.0.1".into(), 7000))
+        );
+        // An empty host is the node that answered.
+        assert_eq!(owner_of(6000, &reply, "seed"), Some(("seed".into(), 7001)));
+        // `?`: an endpoint the node does not know; not the seed's host.
+        assert_eq!(owner_of(12000, &reply, "seed"), None);
+        assert_eq!(owner_of(16384, &reply, "seed"), None);
     }
 }

@@ -90,7 +90,10 @@ pub async fn enqueue_and_wait(
                 let bound = block + Duration::from_secs(2);
                 match tokio::time::timeout(bound, cmd.query_async::<ReadReply>(c)).await {
                     Ok(Ok(r)) => Some(r),
-                    Ok(Err(e)) if !(e.is_io_error() || e.is_connection_dropped()) => {
+                    // What heals by itself (IO, LOADING after a restart, MOVED / ASK /
+                    // TRYAGAIN while a cluster slot moves, a failover): read again on a
+                    // fresh connection. Anything else (a wrong type) is the user's to fix.
+                    Ok(Err(e)) if !crate::queue::redis_error_heals(&e) => {
                         return Err(e.into());
                     }
                     Ok(Err(e)) => {

@@ -364,3 +364,36 @@ async fn a_queued_job_without_an_id_is_cancelled_by_its_entry_id_without_a_call(
     stop_clean(&mut w, T).await;
     Ok(())
 }
+
+/// Review finding: a cancel marker is a string (what `cancel` and the README's `SET`
+/// write), read the same way wherever it is checked: a key of another type at that name
+/// cancels neither a job with an id (checked by its claim) nor one without (checked by
+/// the reader's batch MGET); both run and end ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_key_that_is_not_a_string_is_read_alike_for_every_job() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "c.toml");
+    let mut conn = redis.conn().await;
+    let _: () = redis::AsyncCommands::hset(&mut conn, "{llm}:cancel:odd-1", "x", 1).await?;
+    let idless = push(
+        &mut conn,
+        "llm",
+        &[
+            job("odd-1", "hi"),
+            r#"{"messages":[{"role":"user","content":"hi"}]}"#.into(),
+        ],
+    )
+    .await;
+    let key = format!("{{llm}}:cancel:{}", idless[1]);
+    let _: () = redis::AsyncCommands::hset(&mut conn, &key, "x", 1).await?;
+    let mut w = WorkerProc::spawn(&cfg, "c1", &[]);
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r["odd-1"]["status"], "ok", "{:?}", r["odd-1"]);
+    assert_eq!(r[&idless[1]]["status"], "ok", "{:?}", r[&idless[1]]);
+    stop_clean(&mut w, T).await;
+    Ok(())
+}

@@ -148,6 +148,65 @@ async fn migrate_slot<F: std::future::Future<Output = ()>>(
     }
 }
 
+/// A worker config for namespace `ns` of the cluster on `ports`, seeded first with a node
+/// that does not serve it (then the others), `slots` slots, concurrency 4.
+fn cluster_config(
+    dir: &std::path::Path,
+    ports: &[u16],
+    ns: &str,
+    owner: u16,
+    sim: &SimHandle,
+    slots: u32,
+) -> std::path::PathBuf {
+    let seed = *ports.iter().find(|p| **p != owner).expect("seed");
+    let mut tc = TestConfig::with_urls(&format!("redis://127.0.0.1:{seed}"), sim.addr);
+    let more: Vec<String> = ports
+        .iter()
+        .filter(|p| **p != seed)
+        .map(|p| format!("\"redis://127.0.0.1:{p}\""))
+        .collect();
+    tc.redis_extra = format!("cluster = true\nurls = [{}]", more.join(", "));
+    tc.namespace = ns.to_string();
+    tc.slots = slots;
+    tc.concurrency = 4;
+    tc.write(dir, &format!("{ns}.toml"))
+}
+
+/// Review finding: `enqueue --wait` keeps waiting when the namespace's slot moves to
+/// another master while it waits (MOVED, ASK, TRYAGAIN on its read), then sees the
+/// result written on the new master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_wait_follows_the_slot_when_it_moves() -> anyhow::Result<()> {
+    let nodes = start_cluster().await;
+    let ports: Vec<u16> = nodes.iter().map(|n| n.port()).collect();
+    let ns = "mv";
+    let slot = slot_of(ports[0], "{mv}:jobs").await;
+    let from = owner(ports[0], slot).await;
+    let to = *ports.iter().find(|p| **p != from).expect("another master");
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let cfg = cluster_config(dir.path(), &ports, ns, from, &sim, 2);
+    let waiting = spawn_enqueue_wait(&cfg, "mv-1", "40s");
+    let mut on_from = tcp_conn(from).await;
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            let mut c = on_from.clone();
+            async move { try_xlen(&mut c, "{mv}:jobs").await.unwrap_or(0) == 1 }
+        })
+        .await,
+        "the job was pushed"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    migrate_slot(&ports, slot, from, to, async {}).await;
+    let _ = &mut on_from;
+    let mut w = WorkerProc::spawn(&cfg, "mv-w", &[]);
+    let out = waiting.await?;
+    stop_clean(&mut w, Duration::from_secs(15)).await;
+    assert_eq!(out.code, Some(0), "the wait saw the result: {}", out.all());
+    assert!(out.stderr.starts_with("ok "), "{}", out.all());
+    Ok(())
+}
+
 /// Two namespaces on different masters, three workers (two on the first namespace, one
 /// on the second), each finding its master through seed nodes that are not it. While
 /// the first namespace's jobs run, its slot moves to the third master, and a job is
@@ -191,23 +250,8 @@ async fn cluster_runs_two_namespaces_and_follows_a_slot_migration() -> anyhow::R
     })
     .await;
     let dir = tempfile::tempdir()?;
-    // Seeds: a node that does not serve the namespace, then the others.
-    let config = |ns: &str, owner: u16, sim: &SimHandle, slots: u32| {
-        let seed = *ports.iter().find(|p| **p != owner).expect("seed");
-        let mut tc = TestConfig::with_urls(&format!("redis://127.0.0.1:{seed}"), sim.addr);
-        let more: Vec<String> = ports
-            .iter()
-            .filter(|p| **p != seed)
-            .map(|p| format!("\"redis://127.0.0.1:{p}\""))
-            .collect();
-        tc.redis_extra = format!("cluster = true\nurls = [{}]", more.join(", "));
-        tc.namespace = ns.to_string();
-        tc.slots = slots;
-        tc.concurrency = 4;
-        tc.write(dir.path(), &format!("{ns}.toml"))
-    };
-    let cfg_a = config(&ns_a, owner_a, &sim_a, 3);
-    let cfg_b = config(&ns_b, owner_b, &sim_b, 2);
+    let cfg_a = cluster_config(dir.path(), &ports, &ns_a, owner_a, &sim_a, 3);
+    let cfg_b = cluster_config(dir.path(), &ports, &ns_b, owner_b, &sim_b, 2);
     let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "2000")];
     let mut wa1 = WorkerProc::spawn(&cfg_a, "cl-a1", &env);
     let mut wa2 = WorkerProc::spawn(&cfg_a, "cl-a2", &env);

@@ -277,28 +277,9 @@ async fn enqueue_wait_ends_by_its_timeout_when_redis_hangs() -> anyhow::Result<(
     let tc = TestConfig::new(&redis, &sim);
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "e.toml");
-    let cfg_s = cfg.to_str().unwrap().to_string();
     let conn = redis.conn().await;
     // No worker: the job is never answered.
-    let waiting = tokio::spawn(async move {
-        run_bin_async(
-            &[
-                "--config",
-                &cfg_s,
-                "enqueue",
-                "--prompt",
-                "hi",
-                "--id",
-                "hang-1",
-                "--wait",
-                "--timeout",
-                "4s",
-            ],
-            &[],
-            Duration::from_secs(30),
-        )
-        .await
-    });
+    let waiting = spawn_enqueue_wait(&cfg, "hang-1", "4s");
     assert!(
         wait_for(Duration::from_secs(10), || {
             let mut c = conn.clone();

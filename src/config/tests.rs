@@ -764,6 +764,14 @@ fn config_redis_topology_keys_name_what_is_wrong() {
     assert_eq!(c.redis.urls.len(), 1);
     let c = demo_redis("cluster = true\nurls = [\"redis://127.0.0.1:7001\"]").expect("cluster");
     assert!(c.redis.cluster);
+    // Seeds share redis.url's scheme: a plain seed next to a TLS url would get the
+    // password in clear.
+    let e = demo_with(
+        "url = \"redis://127.0.0.1:6379\"",
+        "url = \"rediss://127.0.0.1:6379\"\ncluster = true\nurls = [\"redis://127.0.0.1:7001\"]",
+    );
+    let (key, message) = err_key(e);
+    assert_eq!(key, "redis.urls[0]", "{message}");
     for url in ["unix:///tmp/r.sock", "redis://127.0.0.1:7000/3"] {
         let e = demo_with(
             "url = \"redis://127.0.0.1:6379\"",

@@ -183,6 +183,16 @@ impl Config {
             ));
         }
         if r.cluster {
+            let scheme = r.url.split("://").next().unwrap_or("").to_string();
+            for (i, u) in r.urls.iter().enumerate() {
+                require(
+                    u.split("://").next() == Some(scheme.as_str()),
+                    &format!("redis.urls[{i}]"),
+                    format!(
+                        "must use redis.url's scheme ({scheme}://) with redis.cluster = true: every seed gets the same password and TLS"
+                    ),
+                )?;
+            }
             require(
                 r.url.starts_with("redis://") || r.url.starts_with("rediss://"),
                 "redis.url",

@@ -81,7 +81,7 @@ impl QueueError {
     }
 }
 
-fn redis_error_heals(e: &redis::RedisError) -> bool {
+pub(crate) fn redis_error_heals(e: &redis::RedisError) -> bool {
     if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
         return true;
     }

@@ -64,16 +64,17 @@ impl Bill {
                 tracing::error!(model = %m, cost = %c, "cost is not whole pico-dollars; total rounded");
                 cost::to_picos(c.round_dp(12)).unwrap_or(0)
             });
+            // `{ns}:cost` field suffixes (the README's cost hash, not result fields).
             let fields = [
-                ("cost_picos", picos),
-                ("input_tokens", u.prompt_tokens as i64),
-                ("output_tokens", u.completion_tokens as i64),
-                ("cached_tokens", u.cached_tokens as i64),
-                ("calls", *calls as i64),
+                (":cost_picos", picos),
+                (":input_tokens", u.prompt_tokens as i64),
+                (":output_tokens", u.completion_tokens as i64),
+                (":cached_tokens", u.cached_tokens as i64),
+                (":calls", *calls as i64),
             ];
             // A zero adds nothing: no command for it (a missing field reads as 0).
-            for (name, v) in fields.into_iter().filter(|(_, v)| *v != 0) {
-                out.push((format!("{m}:{name}"), v));
+            for (suffix, v) in fields.into_iter().filter(|(_, v)| *v != 0) {
+                out.push((format!("{m}{suffix}"), v));
             }
         }
         out

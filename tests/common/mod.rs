@@ -1171,3 +1171,36 @@ pub async fn tcp_conn(port: u16) -> redis::aio::MultiplexedConnection {
         .await
         .expect("connect")
 }
+
+/// `enqueue --prompt hi --id ID --wait --timeout TIMEOUT` with `config`, running in a task
+/// (bounded by 60 s), so the test can act on Redis while it waits.
+pub fn spawn_enqueue_wait(
+    config: &Path,
+    id: &str,
+    timeout: &str,
+) -> tokio::task::JoinHandle<BinOutput> {
+    let (cfg, id, timeout) = (
+        config.to_str().expect("utf-8 path").to_string(),
+        id.to_string(),
+        timeout.to_string(),
+    );
+    tokio::spawn(async move {
+        run_bin_async(
+            &[
+                "--config",
+                &cfg,
+                "enqueue",
+                "--prompt",
+                "hi",
+                "--id",
+                &id,
+                "--wait",
+                "--timeout",
+                &timeout,
+            ],
+            &[],
+            Duration::from_secs(60),
+        )
+        .await
+    })
+}
