@@ -105,15 +105,15 @@ end
 -- the reads below run with pcall and a failure is answered naming the key; a key only
 -- written (the dead stream, the dropped tombstones) is checked with TYPE, on the rare
 -- paths that write it.
-local function named(key, want)
-  local got = redis.call('TYPE', key)['ok']
+local function named(key, want, got)
+  got = got or redis.call('TYPE', key)['ok']
   return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. got .. ', not a ' .. want ..
     ': rename or delete it (results wait until then)')
 end
 local function wrong(key, want)
   local got = redis.call('TYPE', key)['ok']
   if got ~= 'none' and got ~= want then
-    return named(key, want)
+    return named(key, want, got)
   end
   return nil
 end
@@ -165,7 +165,7 @@ local p = redis.pcall('XPENDING', jobs, group, entry, entry, 1)
 if failed(p) then
   local t = redis.call('TYPE', jobs)['ok']
   if t ~= 'stream' and t ~= 'none' then
-    return named(jobs, 'stream')
+    return named(jobs, 'stream', t)
   end
   -- no such stream or group (NOGROUP): as Redis says it
   return p

@@ -83,28 +83,44 @@ pub async fn master_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
     if cfg.redis.sentinel_master.is_empty() {
         return connection_info(cfg);
     }
-    // Every Sentinel at once, each bounded (one down must not slow a reconnect, which
-    // the shutdown's bounded steps may be waiting on); the first in list order that
-    // knows the master wins.
-    let answers =
-        futures::future::join_all(cfg.redis.urls.iter().map(|s| ask_sentinel(cfg, s))).await;
-    let mut last = String::from("no Sentinel answered");
-    for (sentinel, answer) in cfg.redis.urls.iter().zip(answers) {
+    let sentinels: Vec<&str> = cfg.redis.urls.iter().map(String::as_str).collect();
+    let (host, port) = first_answer(&sentinels, "no Sentinel answered", |s| async move {
+        match ask_sentinel(cfg, s).await {
+            Ok(Some(addr)) => Ok(addr),
+            Ok(None) => Err(format!(
+                "Sentinel {} does not know master {:?}",
+                crate::config::redact_url(s),
+                cfg.redis.sentinel_master
+            )),
+            Err(e) => Err(format!("Sentinel {}: {e}", crate::config::redact_url(s))),
+        }
+    })
+    .await
+    .map_err(ConnectError::Sentinel)?;
+    info_for_url(cfg, &master_url(&cfg.redis.url, &host, port)?)
+}
+
+/// Asks every source at once, each bounded by `ask` (one down must not slow a reconnect,
+/// which the shutdown's bounded steps may be waiting on); the first in list order that
+/// names the master wins. Else the last failure's text (`none` when there is no source).
+async fn first_answer<'a, F, Fut>(
+    sources: &[&'a str],
+    none: &str,
+    ask: F,
+) -> Result<(String, u16), String>
+where
+    F: Fn(&'a str) -> Fut,
+    Fut: std::future::Future<Output = Result<(String, u16), String>>,
+{
+    let answers = futures::future::join_all(sources.iter().map(|s| ask(s))).await;
+    let mut last = none.to_string();
+    for answer in answers {
         match answer {
-            Ok(Some((host, port))) => {
-                return info_for_url(cfg, &master_url(&cfg.redis.url, &host, port)?);
-            }
-            Ok(None) => {
-                last = format!(
-                    "Sentinel {} does not know master {:?}",
-                    crate::config::redact_url(sentinel),
-                    cfg.redis.sentinel_master
-                )
-            }
-            Err(e) => last = format!("Sentinel {}: {e}", crate::config::redact_url(sentinel)),
+            Ok(addr) => return Ok(addr),
+            Err(e) => last = e,
         }
     }
-    Err(ConnectError::Sentinel(last))
+    Err(last)
 }
 
 /// With `redis.cluster`: the master serving the namespace's hash slot, as the seed nodes
@@ -122,22 +138,21 @@ pub async fn master_info(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
 /// (a script never runs with half of its keys); callers retry as after any error that
 /// heals, until the slot has moved.
 async fn cluster_master(cfg: &Config) -> Result<ConnectionInfo, ConnectError> {
-    let seeds: Vec<&String> = std::iter::once(&cfg.redis.url)
+    let seeds: Vec<&str> = std::iter::once(&cfg.redis.url)
         .chain(cfg.redis.urls.iter())
+        .map(String::as_str)
         .collect();
     let tag = format!("{{{}}}:jobs", cfg.queue.namespace);
-    let answers = futures::future::join_all(seeds.iter().map(|s| ask_seed(cfg, s, &tag))).await;
-    let mut last = String::from("no seed node answered");
-    for (seed, answer) in seeds.iter().zip(answers) {
-        match answer {
-            Ok((host, port)) => {
-                tracing::debug!(%host, port, "cluster: the namespace's slot is served here");
-                return info_for_url(cfg, &master_url(&cfg.redis.url, &host, port)?);
-            }
-            Err(e) => last = format!("seed {}: {e}", crate::config::redact_url(seed)),
-        }
-    }
-    Err(ConnectError::Cluster(last))
+    let tag = tag.as_str();
+    let (host, port) = first_answer(&seeds, "no seed node answered", |s| async move {
+        ask_seed(cfg, s, tag)
+            .await
+            .map_err(|e| format!("seed {}: {e}", crate::config::redact_url(s)))
+    })
+    .await
+    .map_err(ConnectError::Cluster)?;
+    tracing::debug!(%host, port, "cluster: the namespace's slot is served here");
+    info_for_url(cfg, &master_url(&cfg.redis.url, &host, port)?)
 }
 
 /// A short-lived connection to a Sentinel or a seed node: 2 s to connect, 2 s per reply.
