@@ -316,7 +316,7 @@ pub fn parse(
 }
 
 /// The producer's `id` from a payload that failed validation, if it has a usable one
-/// (a JSON object whose `id` is a non-empty string of at most 512 bytes, or a number).
+/// (a JSON object whose `id` is a non-empty string of at most 512 characters, or a number).
 pub fn salvage_id(payload: Option<&[u8]>) -> Option<String> {
     let v: Value = serde_json::from_slice(payload?).ok()?;
     match v.get("id")? {

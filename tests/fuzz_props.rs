@@ -277,7 +277,11 @@ fn check_job(bytes: &[u8], max: usize) -> Result<Result<job::Job, JobError>, Tes
     }
     match &res {
         Ok(j) => {
-            prop_assert!(!j.id.is_empty() && j.id.len() <= 512, "bad id {:?}", j.id);
+            prop_assert!(
+                !j.id.is_empty() && j.id.chars().count() <= 512,
+                "bad id {:?}",
+                j.id
+            );
             prop_assert!(
                 cfg.routes.contains_key(&j.route),
                 "unknown route {:?}",
