@@ -17,26 +17,38 @@
 -- never touched: a slot key is only written by its token's holder, or restored to it.
 -- Returns the server time now, in ms.
 --
+-- `base`: slot i of the pool is KEYS[base + i], for i < n (every slot key the script
+-- may restore is passed in KEYS; nothing here builds a key name). A script that does
+-- not carry the pool's slot keys (release: it holds only the keys it releases) passes
+-- base = nil: it cannot restore, so on a gap it leaves the clock as it found it (`t`
+-- unwritten) for the next script that can (acquire and renewal carry every slot key,
+-- and the renewer of every live worker runs one within ttl/8); nothing it does takes a
+-- free slot, so no lease can be lost meanwhile.
+--
 -- The shebang (first line of every concatenated slot script) declares allow-oom: under
 -- maxmemory + noeviction, Redis 7 refuses the first memory-growing write of a flagless
 -- script, so the clock's HSET would make renewals (PEXPIRE) and releases (DEL) fail and
 -- a running call would lose its slot. With it, renewal, release and release-all work
 -- while Redis is full; acquire may still take a free slot (a few bytes, N bounded), and
 -- the result of its call waits in commit_until_written until Redis takes writes again.
-local function slot_clock(h, slot_prefix, gap)
+local function slot_clock(h, base, n, gap)
   local tm = redis.call('TIME')
   local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
   local last = tonumber(redis.call('HGET', h, 't'))
   if last and now - last > tonumber(gap) then
+    if base == nil then
+      return now
+    end
     local all = redis.call('HGETALL', h)
     local restored = 0
     for j = 1, #all, 2 do
       local f, v = all[j], all[j + 1]
-      if f ~= 't' then
+      local i = tonumber(f)
+      if f ~= 't' and i and i >= 0 and i < n then
         local tok, dl, len = string.match(v, '^(.*)|(%d+)|(%d+)$')
         dl, len = tonumber(dl), tonumber(len)
         if tok and dl and len and dl > last then
-          local key = slot_prefix .. f
+          local key = KEYS[base + i]
           local cur = redis.call('GET', key)
           if cur == false or cur == tok then
             redis.call('SET', key, tok, 'PX', len)

@@ -2,28 +2,30 @@
 -- longest live waiter of its pool if there is one. Also release-all, in one round trip.
 -- (Runs after the prelude slot_clock.lua.)
 --
--- KEYS: for each pool group: the pool's waiter queue, its lease hash, then the group's
---       slot keys
--- ARGV[1] holder token   ARGV[2] slot ttl ms   ARGV[3] prefix of waiter liveness keys
--- ARGV[4] prefix of hand-off lists
--- ARGV[5] '1' = release-all: also leave every waiter queue named and delete this
---         process's liveness key and hand-off list
--- ARGV[6] hand-off lease ms   ARGV[7] stall gap ms   ARGV[8] waiter liveness ttl ms
--- ARGV[9..] for each group: pool name, prefix of its slot keys, count c, w = how many
---         local waiters of this process want a slot of the pool, prefix of the values of
---         slots kept for them, then c pairs: slot index, the value of the lease released
---         (release-all: any value of this process, `<token>` or `<token>#...`)
+-- KEYS: for each pool group: the pool's waiter queue, its lease hash, its waiter
+--       liveness set, its hand-off stream, then the group's slot keys (only those
+--       released: so the prelude cannot restore lapsed leases here, see slot_clock.lua)
+-- ARGV[1] holder token   ARGV[2] slot ttl ms
+-- ARGV[3] '1' = release-all: also leave every waiter queue and liveness set named
+-- ARGV[4] hand-off lease ms   ARGV[5] stall gap ms   ARGV[6] waiter liveness ttl ms
+-- ARGV[7] how many entries a hand-off stream keeps (approximately, MAXLEN ~)
+-- ARGV[8..] for each group: count c, w = how many local waiters of this process want a
+--         slot of the pool, prefix of the values of slots kept for them, then c pairs:
+--         slot index, the value of the lease released (release-all: any value of this
+--         process, `<token>` or `<token>#...`)
 --
 -- A slot whose value is not the lease's (lease lost, maybe someone else's now, or a
--- newer lease of this same process) is left alone. A hand-off sets the slot to the waiter's token with a SHORT lease (ARGV[6]),
--- which the waiter extends to the full ttl when it picks the slot up: a waiter that
--- died after its last liveness refresh costs the fleet the slot only that long. It
--- removes the waiter from the queue (it re-queues at the tail if it still waits: round
--- robin) and pushes "<i>|<pool>" onto the waiter's hand-off list, which its process
--- blocks on.
+-- newer lease of this same process) is left alone. A hand-off sets the slot to the
+-- waiter's token with a SHORT lease (ARGV[4]), which the waiter extends to the full ttl
+-- when it picks the slot up: a waiter that died after its last liveness refresh costs
+-- the fleet the slot only that long. It removes the waiter from the queue (it re-queues
+-- at the tail if it still waits: round robin) and appends {t = waiter token, i = slot}
+-- to the pool's hand-off stream, which every waiting process reads (XREAD BLOCK),
+-- taking the entries addressed to it. Every key is in KEYS (Redis Cluster, proxies):
+-- the waiter is named in the entry, never in a key name.
 --
 -- Keep: when the queue's live head is this process itself (or nobody waits) and w > 0, the
--- slot is not handed through Redis to ourselves (hand-off list, BLPOP, pick-up: three
+-- slot is not handed through Redis to ourselves (hand-off stream, XREAD, pick-up: three
 -- round trips) but kept: it gets a fresh full lease with value <keep prefix> .. j (the
 -- j-th slot kept in the group) and the caller gives it to a local waiter. Exactly the
 -- order a hand-off would give: this process leaves the head, and goes back to the tail
@@ -35,19 +37,19 @@
 local token = ARGV[1]
 local released, handed, not_ours = 0, 0, 0
 local each = {}
-local a, k = 9, 1
+local a, k = 8, 1
 while a <= #ARGV do
-  local pool, prefix = ARGV[a], ARGV[a + 1]
-  local c = tonumber(ARGV[a + 2])
-  local want = tonumber(ARGV[a + 3]) or 0
-  local keep_prefix = ARGV[a + 4]
+  local c = tonumber(ARGV[a])
+  local want = tonumber(ARGV[a + 1]) or 0
+  local keep_prefix = ARGV[a + 2]
   local kept = 0
-  a = a + 5
-  local q, lh = KEYS[k], KEYS[k + 1]
-  k = k + 2
-  local now = slot_clock(lh, prefix, ARGV[7])
-  if ARGV[5] == '1' then
+  a = a + 3
+  local q, lh, live, wake = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  k = k + 4
+  local now = slot_clock(lh, nil, 0, ARGV[5])
+  if ARGV[3] == '1' then
     redis.call('ZREM', q, token)
+    redis.call('ZREM', live, token)
   end
   for _ = 1, c do
     local key, idx, value = KEYS[k], ARGV[a], ARGV[a + 1]
@@ -55,7 +57,7 @@ while a <= #ARGV do
     a = a + 2
     local cur = redis.call('GET', key)
     local mine = cur == value
-    if ARGV[5] == '1' then
+    if ARGV[3] == '1' then
       mine = cur == token or (cur and string.sub(cur, 1, #token + 1) == token .. '#')
     end
     if not mine then
@@ -71,7 +73,9 @@ while a <= #ARGV do
           redis.call('SET', key, value, 'PX', ARGV[2])
           slot_note(lh, idx, value, now, ARGV[2])
           if want > 0 then
-            redis.call('SET', ARGV[3] .. token, '1', 'PX', ARGV[8])
+            local ttl = tonumber(ARGV[6])
+            redis.call('ZADD', live, now + ttl, token)
+            redis.call('PEXPIRE', live, ttl)
             local tm = redis.call('TIME')
             redis.call('ZADD', q, tonumber(tm[1]) * 1000000 + tonumber(tm[2]), token)
           elseif #h > 0 then
@@ -88,22 +92,19 @@ while a <= #ARGV do
           break
         end
         redis.call('ZREM', q, h[1])
-        if redis.call('EXISTS', ARGV[3] .. h[1]) == 1 then
-          redis.call('SET', key, h[1], 'PX', ARGV[6])
-          slot_note(lh, idx, h[1], now, ARGV[6])
-          local wake = ARGV[4] .. h[1]
-          redis.call('RPUSH', wake, idx .. '|' .. pool)
-          redis.call('PEXPIRE', wake, ARGV[2])
+        local alive = tonumber(redis.call('ZSCORE', live, h[1]))
+        if alive and alive > now then
+          redis.call('SET', key, h[1], 'PX', ARGV[4])
+          slot_note(lh, idx, h[1], now, ARGV[4])
+          redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
           handed = handed + 1
           each[#each + 1] = 2
           break
         end
+        redis.call('ZREM', live, h[1])
       end
     end
   end
-end
-if ARGV[5] == '1' then
-  redis.call('DEL', ARGV[3] .. token, ARGV[4] .. token)
 end
 local out = {released, handed, not_ours}
 for j = 1, #each do

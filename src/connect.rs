@@ -334,7 +334,27 @@ pub fn command_pool(cfg: &Config, size: usize) -> Result<deadpool_redis::Pool, C
         .map_err(|e| ConnectError::Url(e.to_string()))
 }
 
-/// A connection of its own for blocking commands (XREADGROUP BLOCK, BLPOP): no response
+/// The id of `stream`'s newest entry, or `0-0` if it is empty or absent: reading on from
+/// it (XREAD) sees exactly the entries added after this call.
+pub async fn stream_end<C: redis::aio::ConnectionLike>(
+    c: &mut C,
+    stream: &str,
+) -> redis::RedisResult<String> {
+    let newest: Vec<(String, redis::Value)> = redis::cmd("XREVRANGE")
+        .arg(stream)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(c)
+        .await?;
+    Ok(newest
+        .into_iter()
+        .next()
+        .map_or_else(|| "0-0".to_string(), |e| e.0))
+}
+
+/// A connection of its own for blocking commands (XREADGROUP BLOCK, XREAD BLOCK): no response
 /// timeout (redis 1.x's default 500 ms would cut a BLOCK short), and nothing else queued
 /// behind it. Callers bound each blocking call themselves.
 pub async fn blocking_connection(cfg: &Config) -> Result<MultiplexedConnection, ConnectError> {

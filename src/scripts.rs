@@ -2,10 +2,9 @@
 //! with EVALSHA and loaded on NOSCRIPT). The callers (`queue`, `slots`) own what the
 //! scripts mean; this room only owns that each file is compiled in exactly once.
 //!
-//! Invariant: every key a script touches shares the `{namespace}` hash tag. The queue
-//! scripts (and `replay.lua`) pass every key in KEYS; the slot scripts also build keys from ARGV prefixes
-//! (waiter liveness, hand-off lists, restored slot keys): allowed by Redis Cluster (same
-//! slot), refused by proxies that enforce declared keys (see the README's Cluster notes).
+//! Invariant: every key a script touches shares the `{namespace}` hash tag and is passed
+//! in KEYS: no script builds a key name from ARGV or from a value it reads (Redis Cluster
+//! checks declared keys before running a script, and proxies enforce them).
 
 use redis::Script;
 use std::sync::LazyLock;
@@ -85,3 +84,152 @@ pub static QUOTA_SETTLE: LazyLock<Script> =
 /// Set or lengthen a shared cooldown.
 pub static COOLDOWN: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/cooldown.lua")));
+
+#[cfg(test)]
+mod tests {
+    //! A static check of `lua/`: no key argument of a Redis command is built inside a
+    //! script. It reads the scripts as text, so it is deliberately simple: a key argument
+    //! must not concatenate (`..`), use ARGV, be a string literal, or be a local assigned
+    //! from any of those or from a value read from Redis. Function parameters (the
+    //! preludes' `h`, `jobs`, ...) are trusted here; their call sites are checked.
+
+    /// Splits `s` at commas outside brackets and strings.
+    fn split_top(s: &str) -> Vec<String> {
+        let (mut out, mut cur, mut depth, mut quote) = (vec![], String::new(), 0i32, None);
+        for ch in s.chars() {
+            match (quote, ch) {
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), _) => {}
+                (None, '\'' | '"') => quote = Some(ch),
+                (None, '(' | '[' | '{') => depth += 1,
+                (None, ')' | ']' | '}') => depth -= 1,
+                (None, ',') if depth == 0 => {
+                    out.push(cur.trim().to_string());
+                    cur.clear();
+                    continue;
+                }
+                _ => {}
+            }
+            cur.push(ch);
+        }
+        if !cur.trim().is_empty() {
+            out.push(cur.trim().to_string());
+        }
+        out
+    }
+
+    /// The argument list of the call whose `(` is at `open`.
+    fn call_args(src: &str, open: usize) -> String {
+        let (mut depth, mut quote) = (0i32, None);
+        for (i, ch) in src[open..].char_indices() {
+            match (quote, ch) {
+                (Some(q), c) if c == q => quote = None,
+                (Some(_), _) => {}
+                (None, '\'' | '"') => quote = Some(ch),
+                (None, '(') => depth += 1,
+                (None, ')') => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return src[open + 1..open + i].to_string();
+                    }
+                }
+                _ => {}
+            }
+        }
+        String::new()
+    }
+
+    fn tainted(expr: &str) -> bool {
+        expr.contains("..") || expr.contains("ARGV") || expr.contains('\'') || expr.contains('"')
+    }
+
+    /// Every key argument in `src` that is built rather than taken from KEYS.
+    fn built_keys(src: &str) -> Vec<String> {
+        let code: String = src
+            .lines()
+            .map(|l| l.split("--").next().unwrap_or(""))
+            .collect::<Vec<_>>()
+            .join("\n");
+        // Locals assigned from something that is not KEYS.
+        let mut built = std::collections::HashSet::new();
+        for line in code.lines() {
+            let line = line.trim().trim_start_matches("local ");
+            let Some((lhs, rhs)) = line.split_once('=') else {
+                continue;
+            };
+            if rhs.starts_with('=') || lhs.ends_with(['~', '<', '>', '=']) {
+                continue; // a comparison, not an assignment
+            }
+            let names: Vec<&str> = lhs.split(',').map(str::trim).collect();
+            if names
+                .iter()
+                .any(|n| !n.chars().all(|c| c.is_alphanumeric() || c == '_'))
+            {
+                continue;
+            }
+            let values = split_top(rhs);
+            for (n, name) in names.iter().enumerate() {
+                let v = values.get(n).map_or("", String::as_str);
+                if tainted(v) || v.contains("redis.") {
+                    built.insert(name.to_string());
+                }
+            }
+        }
+        let mut bad = vec![];
+        for pat in ["redis.call(", "redis.pcall("] {
+            for (at, _) in code.match_indices(pat) {
+                let args = split_top(&call_args(&code, at + pat.len() - 1));
+                let Some(cmd) = args.first() else { continue };
+                let cmd = cmd.trim_matches(['\'', '"']).to_ascii_uppercase();
+                let keys: &[String] = match cmd.as_str() {
+                    "TIME" => &[],
+                    "DEL" | "EXISTS" | "MGET" | "UNLINK" | "TOUCH" => &args[1..],
+                    "XINFO" | "XGROUP" => args.get(2..3).unwrap_or(&[]),
+                    _ => args.get(1..2).unwrap_or(&[]),
+                };
+                for k in keys {
+                    let name = k.split('[').next().unwrap_or("");
+                    if tainted(k) || (built.contains(name) && !k.starts_with("KEYS")) {
+                        bad.push(format!("{cmd} {k}"));
+                    }
+                }
+            }
+        }
+        bad
+    }
+
+    #[test]
+    fn the_check_finds_keys_built_in_a_script() {
+        let src = "local key = prefix .. f\nredis.call('GET', key)\n\
+                   redis.call('EXISTS', ARGV[5] .. h[1])\n\
+                   local k = KEYS[1]\nredis.call('SET', k, ARGV[1] .. 'x')\n\
+                   redis.call('DEL', KEYS[2], ARGV[4] .. token)\n";
+        assert_eq!(
+            built_keys(src),
+            vec!["GET key", "EXISTS ARGV[5] .. h[1]", "DEL ARGV[4] .. token"]
+        );
+    }
+
+    #[test]
+    fn no_script_builds_a_key_name() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("lua");
+        let mut files: Vec<_> = std::fs::read_dir(&dir)
+            .expect("lua/")
+            .map(|e| e.expect("lua/ entry").path())
+            .collect();
+        files.sort();
+        assert!(files.len() >= 10, "the scripts are where expected");
+        let mut bad = vec![];
+        for f in files {
+            let src = std::fs::read_to_string(&f).expect("a script");
+            for b in built_keys(&src) {
+                bad.push(format!("{}: {b}", f.display()));
+            }
+        }
+        assert!(
+            bad.is_empty(),
+            "keys built inside scripts:\n{}",
+            bad.join("\n")
+        );
+    }
+}

@@ -5,14 +5,16 @@
 //! - **acquire** (`slot_acquire.lua`, one round trip): take a free slot, or join the
 //!   pool's FIFO waiter queue and learn when the nearest lease expires;
 //! - **release** (`slot_release.lua`): token-checked; if a process is waiting, the slot is
-//!   handed to it directly (value set to its token with a short hand-off lease, index
-//!   pushed onto its hand-off list), so a releasing process cannot re-take its own slot
+//!   handed to it directly (value set to its token with a short hand-off lease, and
+//!   `{t: token, i: index}` appended to the pool's hand-off stream), so a releasing
+//!   process cannot re-take its own slot
 //!   while others starve. The waiter **picks it up** (`slot_renew.lua`),
 //!   extending it to the full TTL before any call runs on it; a waiter that died after
 //!   its last liveness refresh costs the fleet the slot only for `HANDOFF_LEASE` (500 ms, at most the TTL);
-//! - **waiting**: one driver task per process blocks (BLPOP, on a connection of its own)
-//!   on the process's hand-off list, for at most the time until the nearest lease expires,
-//!   and serves the process's local waiters in FIFO order. Waiters in one process share
+//! - **waiting**: one driver task per process blocks (XREAD BLOCK, on a connection of its
+//!   own) on the hand-off streams of the pools it waits for, from the last entry it read,
+//!   for at most the time until the nearest lease expires, takes the entries addressed to
+//!   it, and serves the process's local waiters in FIFO order. Waiters in one process share
 //!   that one wait; processes are served round robin. A process is in the fleet queue
 //!   only while one of its local waiters waits: every step that queues it (a try that
 //!   enqueues) or takes it out (`leave_if_idle`, when an acquire gives up) runs under the
@@ -66,7 +68,7 @@ use tokio_util::sync::CancellationToken;
 /// How long a waiting process counts as alive without refreshing (it refreshes at least
 /// every second while it waits). A dead waiter is skipped once this has passed.
 const WAITER_ALIVE_MS: u64 = 3000;
-/// Upper bound of one BLPOP, so liveness is refreshed and expiries are noticed.
+/// Upper bound of one blocking read, so liveness is refreshed and expiries are noticed.
 const MAX_WAIT_TICK: Duration = Duration::from_millis(1000);
 /// Lease given with a hand-off (capped by the TTL): the waiter turns it into a full lease
 /// when it picks the slot up, one round trip after the hand-off. A waiter that died after
@@ -74,6 +76,11 @@ const MAX_WAIT_TICK: Duration = Duration::from_millis(1000);
 /// enough for a loaded process to pick up (a pick-up that comes late still re-takes the
 /// slot if nobody took it meanwhile).
 const HANDOFF_LEASE: Duration = Duration::from_millis(500);
+/// How many hand-offs a pool's hand-off stream keeps (approximately: `MAXLEN ~`). A
+/// waiter reads every entry after the last one it saw, so it only misses its own if
+/// this many hand-offs happen between two of its reads; the missed slot then comes back
+/// to the fleet when its short hand-off lease ends.
+const WAKE_MAXLEN: u64 = 1000;
 
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).
 /// Every worker ticks every `ttl / 8` (its renewer), so a lease has at least about
@@ -112,17 +119,15 @@ impl SlotKeys {
     pub fn slot_queue(&self, pool: &str) -> String {
         format!("{}:slotq:{pool}", self.prefix)
     }
-    /// Prefix of per-process "still waiting" keys (`<prefix><token>`, short TTL).
-    pub fn waiter_alive_prefix(&self) -> String {
-        format!("{}:slotalive:", self.prefix)
+    /// Liveness of the processes waiting for a slot of `pool` (sorted set: token ->
+    /// server ms until which it counts as alive; the key lapses with its last member).
+    pub fn waiter_alive(&self, pool: &str) -> String {
+        format!("{}:slotalive:{pool}", self.prefix)
     }
-    /// Prefix of per-process hand-off lists (`<prefix><token>`).
-    pub fn wake_prefix(&self) -> String {
-        format!("{}:slotwake:", self.prefix)
-    }
-    /// `slot(pool, i)` is this prefix followed by `i`.
-    pub fn slot_prefix(&self, pool: &str) -> String {
-        format!("{}:slot:{pool}:", self.prefix)
+    /// Hand-offs of `pool`'s slots (stream of `{t: waiter token, i: slot}`, capped at
+    /// about `WAKE_MAXLEN` entries); every waiting process reads it and takes its own.
+    pub fn wake(&self, pool: &str) -> String {
+        format!("{}:slotwake:{pool}", self.prefix)
     }
     /// The pool's lease clock: a hash shadowing every slot key (token, deadline, lease
     /// length) plus the server time of the last slot script.
@@ -164,9 +169,13 @@ struct PoolState {
     /// N as recorded fleet-wide.
     size: u32,
     slot_keys: Vec<String>,
-    /// `slot_keys[i]` is this prefix followed by `i`.
-    slot_prefix: String,
     queue_key: String,
+    /// Waiter liveness (sorted set) and hand-off stream of the pool.
+    live_key: String,
+    wake_key: String,
+    /// Id of the last entry of the hand-off stream this process has read: the driver
+    /// reads on from there, so a hand-off written while it was not blocked is not missed.
+    wake_last: Mutex<String>,
     /// The pool's lease hash: a shadow of every slot key plus the lease clock.
     lease_key: String,
     waiters: Mutex<VecDeque<Waiter>>,
@@ -215,7 +224,6 @@ struct Held {
 struct Inner {
     conn: Commands,
     cfg: Config,
-    keys: SlotKeys,
     token: String,
     ttl: Duration,
     /// Lease of a slot handed to a waiter, until it picks it up.
@@ -317,14 +325,20 @@ impl Slots {
                 }
                 // N in use, for dashboards (slots held against N).
                 metrics::gauge!("llm_worker_pool_slots", "pool" => name.clone()).set(size as f64);
+                // Hand-offs to this process can only come after it first queues (below,
+                // later): everything in the stream now is someone else's.
+                let wake_key = keys.wake(name);
+                let wake_last = crate::connect::stream_end(&mut c, &wake_key).await?;
                 pools.insert(
                     name.clone(),
                     PoolState {
                         name: name.clone(),
                         size,
                         slot_keys: (0..size).map(|i| keys.slot(name, i)).collect(),
-                        slot_prefix: keys.slot_prefix(name),
                         queue_key: keys.slot_queue(name),
+                        live_key: keys.waiter_alive(name),
+                        wake_key,
+                        wake_last: Mutex::new(wake_last),
                         lease_key: keys.lease(name),
                         waiters: Mutex::new(VecDeque::new()),
                         next_check: Mutex::new(Instant::now()),
@@ -344,7 +358,6 @@ impl Slots {
             inner: Arc::new(Inner {
                 conn,
                 cfg: cfg.clone(),
-                keys,
                 token,
                 ttl: cfg.slots.ttl_ms,
                 handoff: HANDOFF_LEASE.min(cfg.slots.ttl_ms),
@@ -499,13 +512,9 @@ impl Slots {
         }
         let mut inv = release_invoke(inner, true);
         for ps in inner.pools.values() {
-            inv.key(&ps.queue_key).key(&ps.lease_key);
+            release_group_keys(&mut inv, ps);
             // nothing kept: no local waiter is served any more
-            inv.arg(&ps.name)
-                .arg(&ps.slot_prefix)
-                .arg(ps.size)
-                .arg(0)
-                .arg("");
+            inv.arg(ps.size).arg(0).arg("");
             for (i, k) in ps.slot_keys.iter().enumerate() {
                 inv.key(k);
                 // release-all matches any value of this process
@@ -545,7 +554,7 @@ fn observe_wait(pool: &str, started: Instant) {
 /// no local waiter would be handed a slot it does not want: its driver (which blocks
 /// only while something waits) would not even pick it up, and the slot would sit idle
 /// for the hand-off lease while the processes behind it wait. Best effort: if Redis
-/// does not answer, the entry lapses with the process's liveness key (`WAITER_ALIVE_MS`).
+/// does not answer, the entry lapses with the process's liveness (`WAITER_ALIVE_MS`).
 async fn leave_if_idle(inner: &Inner, ps: &PoolState) {
     let _queue = ps.queue_lock.lock().await;
     if ps.has_waiters() {
@@ -561,7 +570,7 @@ async fn leave_if_idle(inner: &Inner, ps: &PoolState) {
         Ok::<(), SlotError>(())
     };
     if let Err(e) = left.await {
-        tracing::debug!(error = %e, pool = %ps.name, "leaving the slot queue failed; the entry lapses with our liveness key");
+        tracing::debug!(error = %e, pool = %ps.name, "leaving the slot queue failed; the entry lapses with our liveness");
     }
 }
 
@@ -581,13 +590,20 @@ fn release_invoke(inner: &Inner, all: bool) -> redis::ScriptInvocation<'_> {
     let mut inv = inner.release_script.prepare_invoke();
     inv.arg(&inner.token)
         .arg(inner.ttl.as_millis() as u64)
-        .arg(inner.keys.waiter_alive_prefix())
-        .arg(inner.keys.wake_prefix())
         .arg(if all { "1" } else { "0" })
         .arg(inner.handoff.as_millis() as u64)
         .arg(stall_gap(inner.ttl).as_millis() as u64)
-        .arg(WAITER_ALIVE_MS);
+        .arg(WAITER_ALIVE_MS)
+        .arg(WAKE_MAXLEN);
     inv
+}
+
+/// The release script's keys of `ps`'s group (before the group's slot keys).
+fn release_group_keys(inv: &mut redis::ScriptInvocation<'_>, ps: &PoolState) {
+    inv.key(&ps.queue_key)
+        .key(&ps.lease_key)
+        .key(&ps.live_key)
+        .key(&ps.wake_key);
 }
 
 /// [`try_take`] of one slot for a caller that may be dropped mid-call (a job stopped by
@@ -625,7 +641,7 @@ async fn try_take(
     want: usize,
 ) -> Result<Try, SlotError> {
     let mut inv = inner.acquire_script.prepare_invoke();
-    inv.key(&ps.queue_key).key(&ps.lease_key);
+    inv.key(&ps.queue_key).key(&ps.lease_key).key(&ps.live_key);
     for k in &ps.slot_keys {
         inv.key(k);
     }
@@ -633,9 +649,7 @@ async fn try_take(
         .arg(inner.ttl.as_millis() as u64)
         .arg(if enqueue { "1" } else { "0" })
         .arg(WAITER_ALIVE_MS)
-        .arg(inner.keys.waiter_alive_prefix())
         .arg(stall_gap(inner.ttl).as_millis() as u64)
-        .arg(&ps.slot_prefix)
         .arg(ps.hint.load(Ordering::Relaxed))
         .arg(want);
     let prefix = format!("{}.", lease_value(inner));
@@ -879,7 +893,7 @@ async fn run_releases(inner: Arc<Inner>) {
 /// keep may queue this process again, which only a step under that lock that has seen
 /// a waiter here may do; see `leave_if_idle`), and is told how many waiters there are:
 /// a slot whose next fleet-wide taker would be this process is kept rather than sent
-/// round through Redis (hand-off list, BLPOP, pick-up).
+/// round through Redis (hand-off stream, XREAD, pick-up).
 async fn release_batch(
     inner: &Arc<Inner>,
     batch: &[PendingRelease],
@@ -912,12 +926,8 @@ async fn release_batch(
         } else {
             String::new()
         };
-        inv.key(&ps.queue_key).key(&ps.lease_key);
-        inv.arg(pool)
-            .arg(&ps.slot_prefix)
-            .arg(end - start)
-            .arg(want)
-            .arg(&keep_prefix);
+        release_group_keys(&mut inv, ps);
+        inv.arg(end - start).arg(want).arg(&keep_prefix);
         for &j in &order[start..end] {
             inv.key(&batch[j].key);
             inv.arg(batch[j].idx).arg(&batch[j].value);
@@ -1007,10 +1017,11 @@ fn deliver(ps: &PoolState, mut lease: Lease) {
     }
 }
 
-/// Serves this process's waiters: blocks on the hand-off list, for at most the time until
-/// the nearest known lease expiry (and at most a second, to refresh liveness).
+/// Serves this process's waiters: blocks reading the hand-off streams of the pools it
+/// waits for (from the last entry it read), for at most the time until the nearest known
+/// lease expiry (and at most a second, to refresh liveness), and takes the hand-offs
+/// addressed to it.
 async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
-    let wake_key = format!("{}{}", inner.keys.wake_prefix(), inner.token);
     let mut conn: Option<MultiplexedConnection> = None;
     let mut failing = false;
     let mut backoff = Backoff::redis();
@@ -1046,14 +1057,24 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             }
         }
         let Some(c) = conn.as_mut() else { continue };
-        let mut cmd = redis::cmd("BLPOP");
-        cmd.arg(&wake_key).arg(tick.as_secs_f64());
-        let blpop = cmd.query_async::<Option<(String, String)>>(c);
+        let mut cmd = redis::cmd("XREAD");
+        cmd.arg("COUNT")
+            .arg(WAKE_MAXLEN)
+            .arg("BLOCK")
+            .arg(tick.as_millis().max(1) as u64)
+            .arg("STREAMS");
+        for ps in &waiting {
+            cmd.arg(&ps.wake_key);
+        }
+        for ps in &waiting {
+            cmd.arg(lock(&ps.wake_last).as_str());
+        }
+        let xread = cmd.query_async::<Option<redis::streams::StreamReadReply>>(c);
         let r = tokio::select! {
-            r = tokio::time::timeout(tick + Duration::from_secs(2), blpop) => r,
+            r = tokio::time::timeout(tick + Duration::from_secs(2), xread) => r,
             _ = cancel.cancelled() => return,
         };
-        let handed = match r {
+        let read = match r {
             Ok(Ok(v)) => {
                 if failing {
                     tracing::info!("slot waiter reached Redis again");
@@ -1076,57 +1097,75 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                 continue;
             }
         };
-        if let Some((_, msg)) = handed {
-            let Some((idx, pool)) = msg.split_once('|') else {
+        // Ours, in stream order per pool; every entry read moves the pool's mark on.
+        let mut ours: Vec<(&PoolState, u32)> = vec![];
+        for sk in read.map(|r| r.keys).unwrap_or_default() {
+            let Some(ps) = waiting.iter().find(|p| p.wake_key == sk.key) else {
                 continue;
             };
-            let (Ok(idx), Some(ps)) = (idx.parse::<u32>(), inner.pools.get(pool)) else {
-                continue;
-            };
-            if idx >= ps.size {
-                continue;
-            }
-            if !ps.has_waiters() {
-                // Nobody here wants it any more: release (hand on) at once.
-                // (A handed slot holds the bare process token.)
-                drop(make_lease(&inner, ps, idx, inner.token.clone()));
-                continue;
-            }
-            // Pick up: the hand-off came with a short lease; make it a full one before
-            // any call runs on it.
-            // The pick-up also stamps the lease's own value over the bare token.
-            let value = lease_value(&inner);
-            match renew(&inner, &[(ps, idx, &inner.token, &value)], &[])
-                .await
-                .map(|r| r.first().copied())
-            {
-                Ok(Some(Renewed::Extended | Renewed::Retaken)) => {
-                    deliver(ps, make_lease(&inner, ps, idx, value));
+            for e in sk.ids {
+                let to: Option<String> = e.get("t");
+                let idx: Option<u32> = e.get("i");
+                if to.as_deref() == Some(inner.token.as_str())
+                    && let Some(idx) = idx.filter(|&i| i < ps.size)
+                {
+                    ours.push((ps, idx));
                 }
-                Ok(_) => {
-                    tracing::debug!(pool = %ps.name, slot = idx, "handed slot taken by another before pick-up");
-                }
-                Err(e) => {
-                    // Not ours for long: the short hand-off lease frees it for the fleet.
-                    tracing::debug!(error = %e, pool = %ps.name, slot = idx, "slot pick-up failed");
-                }
+                *lock(&ps.wake_last) = e.id;
             }
-            // Still waiting here: queue again at the tail (round robin between processes).
-            // Nobody left: make sure we are out of the queue (a keep racing this pick-up
-            // may have queued us again for the waiter this pick-up served).
-            if ps.has_waiters() {
-                retry_pool(&inner, ps).await;
-            } else {
-                leave_if_idle(&inner, ps).await;
-            }
-        } else {
-            // Timed out: a lease may have expired (holder died), and liveness needs a refresh.
+        }
+        if ours.is_empty() {
+            // Timed out (or only others' hand-offs): a lease may have expired (holder
+            // died), and liveness needs a refresh.
             for ps in inner.pools.values() {
                 if ps.has_waiters() {
                     retry_pool(&inner, ps).await;
                 }
             }
+            continue;
         }
+        for (ps, idx) in ours {
+            pick_up(&inner, ps, idx).await;
+        }
+    }
+}
+
+/// Takes slot `idx` of `ps`, handed to this process: extends its short hand-off lease to a
+/// full one and gives it to the longest local waiter (or hands it on, if nobody here
+/// waits any more).
+async fn pick_up(inner: &Arc<Inner>, ps: &PoolState, idx: u32) {
+    if !ps.has_waiters() {
+        // Nobody here wants it any more: release (hand on) at once.
+        // (A handed slot holds the bare process token.)
+        drop(make_lease(inner, ps, idx, inner.token.clone()));
+        return;
+    }
+    // Pick up: the hand-off came with a short lease; make it a full one before
+    // any call runs on it.
+    // The pick-up also stamps the lease's own value over the bare token.
+    let value = lease_value(inner);
+    match renew(inner, &[(ps, idx, &inner.token, &value)], &[])
+        .await
+        .map(|r| r.first().copied())
+    {
+        Ok(Some(Renewed::Extended | Renewed::Retaken)) => {
+            deliver(ps, make_lease(inner, ps, idx, value));
+        }
+        Ok(_) => {
+            tracing::debug!(pool = %ps.name, slot = idx, "handed slot taken by another before pick-up");
+        }
+        Err(e) => {
+            // Not ours for long: the short hand-off lease frees it for the fleet.
+            tracing::debug!(error = %e, pool = %ps.name, slot = idx, "slot pick-up failed");
+        }
+    }
+    // Still waiting here: queue again at the tail (round robin between processes).
+    // Nobody left: make sure we are out of the queue (a keep racing this pick-up
+    // may have queued us again for the waiter this pick-up served).
+    if ps.has_waiters() {
+        retry_pool(inner, ps).await;
+    } else {
+        leave_if_idle(inner, ps).await;
     }
 }
 
@@ -1149,8 +1188,9 @@ fn release_orphans(inner: Arc<Inner>, orphans: Vec<(String, u32, String)>) {
                 let Some(key) = ps.slot_keys.get(*idx as usize) else {
                     continue;
                 };
-                inv.key(&ps.queue_key).key(&ps.lease_key).key(key);
-                inv.arg(pool).arg(&ps.slot_prefix).arg(1).arg(0).arg("");
+                release_group_keys(&mut inv, ps);
+                inv.key(key);
+                inv.arg(1).arg(0).arg("");
                 inv.arg(*idx).arg(value);
             }
             let sent = async {
@@ -1183,7 +1223,7 @@ fn spawn_retry(inner: &Arc<Inner>, ps: &PoolState) {
 /// fleet-wide) or nobody waits here any more. Taking a slot leaves the fleet queue, so
 /// stopping after one while waiters remain would leave them unqueued until the driver's
 /// next tick, with releases elsewhere deleting slots instead of handing them over. (That
-/// "2 ms" tick is a BLPOP timeout, which Redis only checks on its `hz` timer: up to 100 ms
+/// "2 ms" tick is a blocking read's timeout, which Redis only checks on its `hz` timer: up to 100 ms
 /// at the default hz 10; measured p99 hand-off gap 80 ms before this loop, 2.3 ms after.)
 async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
     let _queue = ps.queue_lock.lock().await;
@@ -1265,10 +1305,13 @@ async fn renew(
             .filter(|(_, (ps, ..))| ps.name == g.name)
             .map(|(n, (_, i, have, want))| (n, *i, *have, *want))
             .collect();
+        // Every slot key of the pool: the script's lease clock may restore any of them.
         inv.key(&g.lease_key);
-        inv.arg(&g.slot_prefix).arg(mine.len());
+        for k in &g.slot_keys {
+            inv.key(k);
+        }
+        inv.arg(g.size).arg(mine.len());
         for (n, i, have, want) in mine {
-            inv.key(&g.slot_keys[i as usize]);
             inv.arg(i).arg(have).arg(want);
             order.push(n);
         }
@@ -1379,13 +1422,12 @@ mod tests {
     fn slot_keys_share_the_hash_tag() {
         let k = SlotKeys::new("llm");
         assert_eq!(k.slot("default", 3), "{llm}:slot:default:3");
-        assert_eq!(k.slot_prefix("default"), "{llm}:slot:default:");
         for key in [
             k.pool_size("p"),
             k.slot_queue("p"),
             k.lease("p"),
-            k.waiter_alive_prefix(),
-            k.wake_prefix(),
+            k.waiter_alive("p"),
+            k.wake("p"),
         ] {
             assert!(key.starts_with("{llm}:"), "{key}");
         }

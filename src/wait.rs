@@ -5,7 +5,7 @@
 //! is matched by its `id`, or, without one, by its entry id (which is then its job id).
 
 use crate::config::Config;
-use crate::connect::{blocking_connection, master_connection};
+use crate::connect::{blocking_connection, master_connection, stream_end};
 use crate::queue::{Keys, ReadReply, ResultEntry};
 use crate::tools::ToolError;
 use std::collections::HashMap;
@@ -32,18 +32,7 @@ pub async fn enqueue_and_wait(
     let keys = Keys::new(&cfg.queue.namespace);
     let mut c = master_connection(cfg, Some(Duration::from_secs(5))).await?;
     // Where the results stream ends now (before any push).
-    let newest: crate::queue::Entries = redis::cmd("XREVRANGE")
-        .arg(&keys.results)
-        .arg("+")
-        .arg("-")
-        .arg("COUNT")
-        .arg(1)
-        .query_async(&mut c)
-        .await?;
-    let mut last = newest
-        .0
-        .first()
-        .map_or_else(|| "0-0".to_string(), |e| e.id.clone());
+    let mut last = stream_end(&mut c, &keys.results).await?;
     let entries = crate::tools::push_payloads(&mut c, &keys, payloads).await?;
     // The job id the worker will write: the payload's own `id` (read as the worker reads
     // it), else the entry id.

@@ -624,8 +624,8 @@ async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() 
         held.push(tokio::time::timeout(t, a.acquire("default", t)).await??);
     }
     // Ten rounds with a local waiter only: every release is kept.
-    let rpush_before = calls_of(&mut conn, "rpush").await;
-    let blpop_before = calls_of(&mut conn, "blpop").await;
+    let xadd_before = calls_of(&mut conn, "xadd").await;
+    let xread_before = calls_of(&mut conn, "xread").await;
     for round in 0..10 {
         let aa = a.clone();
         let waiter =
@@ -657,12 +657,12 @@ async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() 
         held.push(got);
     }
     assert_eq!(
-        calls_of(&mut conn, "rpush").await - rpush_before,
+        calls_of(&mut conn, "xadd").await - xadd_before,
         0,
         "no hand-off through Redis to ourselves"
     );
-    let blpops = calls_of(&mut conn, "blpop").await - blpop_before;
-    assert!(blpops <= 2, "no BLPOP round trip per kept slot: {blpops}");
+    let xreads = calls_of(&mut conn, "xread").await - xread_before;
+    assert!(xreads <= 2, "no XREAD round trip per kept slot: {xreads}");
 
     // B queues first, then A: the next release goes to B, the one after to A.
     let bb = b.clone();
@@ -684,5 +684,76 @@ async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() 
     }
     cancel.cancel();
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// The hand-off stream keeps old entries, so a waiter can read one addressed to it long
+/// after its short hand-off lease ended (it stopped waiting, or fell behind). Such an
+/// entry must not let it take the slot ahead of the process at the head of the queue:
+/// the pick-up is refused once the hand-off lease ended more than a TTL ago.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_hand_off_read_late_does_not_jump_the_queue() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 2_000;
+    tc.slots = 1;
+    let cancel = CancellationToken::new();
+    let holder_cancel = CancellationToken::new();
+    let x = slots_for(&tc, "px", &holder_cancel).await;
+    let c = slots_for(&tc, "pc", &cancel).await;
+    let a = slots_for(&tc, "pa", &cancel).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    // X holds the only slot, then goes quiet without releasing (its tasks stop).
+    let lx = tokio::time::timeout(t, x.acquire("default", t)).await??;
+    holder_cancel.cancel();
+    std::mem::forget(lx);
+    // C queues first, then A.
+    let cc = c.clone();
+    let wc = tokio::spawn(async move { cc.acquire("default", Duration::from_secs(8)).await });
+    assert!(wait_queued(&conn, c.token()).await, "C queued");
+    let aa = a.clone();
+    let wa = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(8)).await });
+    assert!(wait_queued(&conn, a.token()).await, "A queued behind C");
+    // The slot is free and the lease hash records an old hand-off to A (its lease ended
+    // three TTLs ago), and the hand-off's entry is in the stream: as if A read it late.
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let ended = secs * 1000 + micros / 1000 - 3 * 2_000;
+    let _: () = conn.del("{llm}:slot:default:0").await?;
+    let _: () = conn
+        .hset(
+            "{llm}:slotlease:default",
+            "0",
+            format!("{}|{ended}|500", a.token()),
+        )
+        .await?;
+    let _: String = redis::cmd("XADD")
+        .arg("{llm}:slotwake:default")
+        .arg("*")
+        .arg("t")
+        .arg(a.token())
+        .arg("i")
+        .arg(0)
+        .query_async(&mut conn)
+        .await?;
+    // C, the head, gets the free slot (at its next tick); A keeps waiting.
+    let for_c = tokio::time::timeout(t, wc).await??;
+    assert!(
+        for_c.is_ok(),
+        "C, first in the queue, gets the slot: {for_c:?}"
+    );
+    assert!(
+        !wa.is_finished(),
+        "A did not take the slot on an old hand-off"
+    );
+    drop(for_c);
+    let for_a = tokio::time::timeout(t, wa).await??;
+    assert!(for_a.is_ok(), "A gets it after C: {for_a:?}");
+    drop(for_a);
+    for s in [&a, &c] {
+        tokio::time::timeout(t, s.release_all()).await??;
+    }
+    cancel.cancel();
     Ok(())
 }
