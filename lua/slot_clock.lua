@@ -22,8 +22,10 @@
 -- not carry the pool's slot keys (release: it holds only the keys it releases) passes
 -- base = nil: it cannot restore, so on a gap it leaves the clock as it found it (`t`
 -- unwritten) for the next script that can (acquire and renewal carry every slot key,
--- and the renewer of every live worker runs one within ttl/8); nothing it does takes a
--- free slot, so no lease can be lost meanwhile.
+-- and the renewer of every live worker runs one within ttl/8). Nothing it does takes a
+-- free slot; what it releases is its own lease, which the restore would give back to
+-- it: so a key of its own found absent for that reason counts as its own
+-- (`slot_lapsed_in_stall`), is released or handed on, and its record goes with it.
 --
 -- The shebang (first line of every concatenated slot script) declares allow-oom: under
 -- maxmemory + noeviction, Redis 7 refuses the first memory-growing write of a flagless
@@ -31,12 +33,18 @@
 -- a running call would lose its slot. With it, renewal, release and release-all work
 -- while Redis is full; acquire may still take a free slot (a few bytes, N bounded), and
 -- the result of its call waits in commit_until_written until Redis takes writes again.
+-- The last time Redis was seen, when the latest slot_clock call found a gap it could
+-- not repair (base = nil); else nil. Per pool: every call sets it.
+local slot_unrestored = nil
+
 local function slot_clock(h, base, n, gap)
+  slot_unrestored = nil
   local tm = redis.call('TIME')
   local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
   local last = tonumber(redis.call('HGET', h, 't'))
   if last and now - last > tonumber(gap) then
     if base == nil then
+      slot_unrestored = last
       return now
     end
     local all = redis.call('HGETALL', h)
@@ -65,6 +73,18 @@ local function slot_clock(h, base, n, gap)
   end
   redis.call('HSET', h, 't', now)
   return now
+end
+
+-- True if slot `idx`'s key is absent only because Redis stalled: the last slot_clock
+-- call found a gap it could not repair, and the lease hash records a lease for the slot
+-- that was live when Redis was last seen and whose value passes `matches` (a restore
+-- would give the key back to exactly that value).
+local function slot_lapsed_in_stall(h, idx, matches)
+  if slot_unrestored == nil then
+    return false
+  end
+  local tok, dl = string.match(redis.call('HGET', h, idx) or '', '^(.*)|(%d+)|%d+$')
+  return tok ~= nil and matches(tok) and tonumber(dl) > slot_unrestored
 end
 
 -- Records a slot key just set to `tok` for `len` ms in the lease hash.

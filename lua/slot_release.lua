@@ -55,10 +55,16 @@ while a <= #ARGV do
     local key, idx, value = KEYS[k], ARGV[a], ARGV[a + 1]
     k = k + 1
     a = a + 2
+    local function matches(v)
+      if ARGV[3] == '1' then
+        return v == token or string.sub(v, 1, #token + 1) == token .. '#'
+      end
+      return v == value
+    end
     local cur = redis.call('GET', key)
-    local mine = cur == value
-    if ARGV[3] == '1' then
-      mine = cur == token or (cur and string.sub(cur, 1, #token + 1) == token .. '#')
+    local mine = cur and matches(cur)
+    if cur == false and slot_lapsed_in_stall(lh, idx, matches) then
+      mine = true -- ours, its key lapsed while Redis stalled (see slot_clock.lua)
     end
     if not mine then
       not_ours = not_ours + 1

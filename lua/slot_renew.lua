@@ -18,8 +18,8 @@
 -- once, ahead of the waiter queue, since our call is still running (2). The record is
 -- what makes this safe: a release deletes it in the same step as the key, so a renewal
 -- racing with our own release never re-creates a released slot, and a stale hand-off
--- never jumps the queue. Otherwise, or someone else's -> lost, reported, never
--- overwritten (0).
+-- does not jump the queue (see recorded_for: only within a TTL of its lease's end).
+-- Otherwise, or someone else's -> lost, reported, never overwritten (0).
 -- Returns one integer per key, in order.
 -- True if the lease hash still records `have` for slot `idx`: the lease lapsed and nobody
 -- was given the slot since. For a pick-up (want ~= have: a hand-off read from the pool's

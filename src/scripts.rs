@@ -89,9 +89,12 @@ pub static COOLDOWN: LazyLock<Script> =
 mod tests {
     //! A static check of `lua/`: no key argument of a Redis command is built inside a
     //! script. It reads the scripts as text, so it is deliberately simple: a key argument
+    //! (the first argument after the command; every argument of DEL, EXISTS, MGET, ...)
     //! must not concatenate (`..`), use ARGV, be a string literal, or be a local assigned
-    //! from any of those or from a value read from Redis. Function parameters (the
-    //! preludes' `h`, `jobs`, ...) are trusted here; their call sites are checked.
+    //! (directly or through other locals, over several lines) from any of those or from
+    //! a value read from Redis. Not covered: function parameters (the preludes' `h`,
+    //! `jobs`, ...) are trusted and their call sites are not checked, nor are keys in
+    //! later positions (RENAME's second, ZUNIONSTORE's sources; no script uses those).
 
     /// Splits `s` at commas outside brackets and strings.
     fn split_top(s: &str) -> Vec<String> {
@@ -145,14 +148,21 @@ mod tests {
 
     /// Every key argument in `src` that is built rather than taken from KEYS.
     fn built_keys(src: &str) -> Vec<String> {
-        let code: String = src
-            .lines()
-            .map(|l| l.split("--").next().unwrap_or(""))
-            .collect::<Vec<_>>()
-            .join("\n");
-        // Locals assigned from something that is not KEYS.
+        // Comments dropped; a statement continued on the next line joined to it.
+        let mut code = String::new();
+        for l in src.lines() {
+            let l = l.split("--").next().unwrap_or("").trim_end();
+            code.push_str(l);
+            let open = l.ends_with(['=', ',', '(']) || l.ends_with("..");
+            code.push(if open { ' ' } else { '\n' });
+        }
+        // Locals assigned from something that is not KEYS, directly or through others.
         let mut built = std::collections::HashSet::new();
-        for line in code.lines() {
+        let uses_built = |v: &str, built: &std::collections::HashSet<String>| {
+            v.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .any(|w| built.contains(w))
+        };
+        for line in code.lines().cycle().take(code.lines().count() * 4) {
             let line = line.trim().trim_start_matches("local ");
             let Some((lhs, rhs)) = line.split_once('=') else {
                 continue;
@@ -170,7 +180,9 @@ mod tests {
             let values = split_top(rhs);
             for (n, name) in names.iter().enumerate() {
                 let v = values.get(n).map_or("", String::as_str);
-                if tainted(v) || v.contains("redis.") {
+                // An element of KEYS is a declared key, whatever its index.
+                let from_keys = v.contains("KEYS[") && !tainted(v) && !v.contains("redis.");
+                if !from_keys && (tainted(v) || v.contains("redis.") || uses_built(v, &built)) {
                     built.insert(name.to_string());
                 }
             }
@@ -203,10 +215,18 @@ mod tests {
         let src = "local key = prefix .. f\nredis.call('GET', key)\n\
                    redis.call('EXISTS', ARGV[5] .. h[1])\n\
                    local k = KEYS[1]\nredis.call('SET', k, ARGV[1] .. 'x')\n\
-                   redis.call('DEL', KEYS[2], ARGV[4] .. token)\n";
+                   redis.call('DEL', KEYS[2], ARGV[4] .. token)\n\
+                   local p = ARGV[1]\nlocal q = p\nredis.call('GET', q)\n\
+                   local m =\n  ARGV[2] ..\n  'x'\nredis.call('GET', m)\n";
         assert_eq!(
             built_keys(src),
-            vec!["GET key", "EXISTS ARGV[5] .. h[1]", "DEL ARGV[4] .. token"]
+            vec![
+                "GET key",
+                "EXISTS ARGV[5] .. h[1]",
+                "DEL ARGV[4] .. token",
+                "GET q",
+                "GET m"
+            ]
         );
     }
 

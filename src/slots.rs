@@ -77,9 +77,10 @@ const MAX_WAIT_TICK: Duration = Duration::from_millis(1000);
 /// slot if nobody took it meanwhile).
 const HANDOFF_LEASE: Duration = Duration::from_millis(500);
 /// How many hand-offs a pool's hand-off stream keeps (approximately: `MAXLEN ~`). A
-/// waiter reads every entry after the last one it saw, so it only misses its own if
-/// this many hand-offs happen between two of its reads; the missed slot then comes back
-/// to the fleet when its short hand-off lease ends.
+/// waiting process's driver reads every pool's stream on from the last entry it saw, so
+/// it only misses its own if this many hand-offs of the pool happen between two of its
+/// reads; the missed slot then comes back to the fleet when its short hand-off lease
+/// ends.
 const WAKE_MAXLEN: u64 = 1000;
 
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).
@@ -1017,35 +1018,50 @@ fn deliver(ps: &PoolState, mut lease: Lease) {
     }
 }
 
-/// Serves this process's waiters: blocks reading the hand-off streams of the pools it
-/// waits for (from the last entry it read), for at most the time until the nearest known
-/// lease expiry (and at most a second, to refresh liveness), and takes the hand-offs
-/// addressed to it.
+/// Serves this process's waiters. While any pool has one, blocks reading the hand-off
+/// streams of every pool (from the last entry it read of each, so a hand-off for a pool
+/// that began waiting during the read is not left for later) and takes the entries
+/// addressed to it. Other processes' entries only move the marks on: the driver tries on
+/// its own (a lease may have expired with its holder; liveness needs a refresh) only when
+/// its deadline passes, the nearest known lease expiry and at most a second away, however
+/// often other hand-offs wake it.
 async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
     let mut conn: Option<MultiplexedConnection> = None;
     let mut failing = false;
     let mut backoff = Backoff::redis();
+    let mut deadline: Option<Instant> = None;
+    let pools: Vec<&PoolState> = inner.pools.values().collect();
     loop {
         if cancel.is_cancelled() || inner.stopped.load(Ordering::SeqCst) {
             return;
         }
-        let waiting: Vec<&PoolState> = inner.pools.values().filter(|p| p.has_waiters()).collect();
+        let waiting: Vec<&PoolState> = pools.iter().copied().filter(|p| p.has_waiters()).collect();
         if waiting.is_empty() {
+            deadline = None;
             tokio::select! {
                 _ = inner.driver_wake.notified() => continue,
                 _ = cancel.cancelled() => return,
             }
         }
         let now = Instant::now();
-        let tick = waiting
-            .iter()
-            .map(|p| lock(&p.next_check).saturating_duration_since(now))
-            .min()
-            .unwrap_or(MAX_WAIT_TICK)
-            .clamp(Duration::from_millis(2), MAX_WAIT_TICK);
+        let fresh = now
+            + waiting
+                .iter()
+                .map(|p| lock(&p.next_check).saturating_duration_since(now))
+                .min()
+                .unwrap_or(MAX_WAIT_TICK)
+                .clamp(Duration::from_millis(2), MAX_WAIT_TICK);
+        let due = deadline.map_or(fresh, |d| d.min(fresh));
+        deadline = Some(due);
+        let tick = due
+            .saturating_duration_since(now)
+            .max(Duration::from_millis(1));
         if conn.is_none() {
             match blocking_connection(&inner.cfg).await {
-                Ok(c) => conn = Some(c),
+                Ok(mut c) => {
+                    check_marks(&mut c, &pools).await;
+                    conn = Some(c);
+                }
                 Err(e) => {
                     if !failing {
                         tracing::warn!(error = %e, "slot waiter cannot reach Redis; retrying");
@@ -1063,10 +1079,10 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             .arg("BLOCK")
             .arg(tick.as_millis().max(1) as u64)
             .arg("STREAMS");
-        for ps in &waiting {
+        for ps in &pools {
             cmd.arg(&ps.wake_key);
         }
-        for ps in &waiting {
+        for ps in &pools {
             cmd.arg(lock(&ps.wake_last).as_str());
         }
         let xread = cmd.query_async::<Option<redis::streams::StreamReadReply>>(c);
@@ -1090,6 +1106,8 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                 }
                 conn = None;
                 backoff.sleep(&cancel).await;
+                // Waiters are still served by tries (each refreshes liveness).
+                retry_waiting(&inner).await;
                 continue;
             }
             Err(_) => {
@@ -1100,7 +1118,7 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
         // Ours, in stream order per pool; every entry read moves the pool's mark on.
         let mut ours: Vec<(&PoolState, u32)> = vec![];
         for sk in read.map(|r| r.keys).unwrap_or_default() {
-            let Some(ps) = waiting.iter().find(|p| p.wake_key == sk.key) else {
+            let Some(ps) = pools.iter().find(|p| p.wake_key == sk.key) else {
                 continue;
             };
             for e in sk.ids {
@@ -1114,18 +1132,45 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                 *lock(&ps.wake_last) = e.id;
             }
         }
-        if ours.is_empty() {
-            // Timed out (or only others' hand-offs): a lease may have expired (holder
-            // died), and liveness needs a refresh.
-            for ps in inner.pools.values() {
-                if ps.has_waiters() {
-                    retry_pool(&inner, ps).await;
-                }
-            }
-            continue;
-        }
         for (ps, idx) in ours {
             pick_up(&inner, ps, idx).await;
+        }
+        if Instant::now() >= due {
+            deadline = None;
+            retry_waiting(&inner).await;
+        }
+    }
+}
+
+/// One try for every pool with local waiters (see [`retry_pool`]).
+async fn retry_waiting(inner: &Arc<Inner>) {
+    for ps in inner.pools.values() {
+        if ps.has_waiters() {
+            retry_pool(inner, ps).await;
+        }
+    }
+}
+
+/// Parses a stream entry id `<ms>-<seq>` for ordering.
+fn entry_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
+}
+
+/// On every (re)connection of the driver: a hand-off stream whose newest entry is older
+/// than our mark was recreated with lower ids (Redis restarted from an older state, a
+/// replica was promoted, its clock went back). Reading on from the mark would miss every
+/// hand-off until the ids catch up, so read it again from the start (old entries
+/// addressed to us are refused at pick-up; see `lua/slot_renew.lua`).
+async fn check_marks(c: &mut MultiplexedConnection, pools: &[&PoolState]) {
+    for ps in pools {
+        let Ok(end) = crate::connect::stream_end(c, &ps.wake_key).await else {
+            return; // the next read fails too and reconnects
+        };
+        let mut mark = lock(&ps.wake_last);
+        if entry_id(&end) < entry_id(&mark) {
+            tracing::info!(pool = %ps.name, "slot hand-off stream restarted below our mark; reading it from the start");
+            *mark = "0-0".to_string();
         }
     }
 }
@@ -1135,9 +1180,14 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
 /// waits any more).
 async fn pick_up(inner: &Arc<Inner>, ps: &PoolState, idx: u32) {
     if !ps.has_waiters() {
-        // Nobody here wants it any more: release (hand on) at once.
-        // (A handed slot holds the bare process token.)
-        drop(make_lease(inner, ps, idx, inner.token.clone()));
+        // Nobody here wants it any more: release (hand on) at once. A handed slot holds
+        // the bare process token; the release touches the key only if it still does, and
+        // no lease of the held table is involved (the entry may be old, and a lease of
+        // ours may hold that slot now).
+        release_orphans(
+            inner.clone(),
+            vec![(ps.name.clone(), idx, inner.token.clone())],
+        );
         return;
     }
     // Pick up: the hand-off came with a short lease; make it a full one before

@@ -341,17 +341,58 @@ async fn sigstop_past_ttl_then_sigcont_detects_lost_lease() -> anyhow::Result<()
 /// Waits (at most 5 s) until the process with holder `token` is in the default pool's
 /// fleet queue.
 async fn wait_queued(conn: &Conn, token: &str) -> bool {
+    wait_queued_in(conn, "default", token).await
+}
+
+/// Waits (at most 5 s) until the process with holder `token` is in `pool`'s fleet queue.
+async fn wait_queued_in(conn: &Conn, pool: &str, token: &str) -> bool {
+    let key = format!("{{llm}}:slotq:{pool}");
     wait_for(Duration::from_secs(5), || {
         let mut c = conn.clone();
-        let tok = token.to_string();
+        let (tok, key) = (token.to_string(), key.clone());
         async move {
-            c.zscore::<_, _, Option<f64>>("{llm}:slotq:default", tok)
+            c.zscore::<_, _, Option<f64>>(&key, tok)
                 .await
-                .unwrap_or_else(|e| panic!("ZSCORE slotq: {e}"))
+                .unwrap_or_else(|e| panic!("ZSCORE {key}: {e}"))
                 .is_some()
         }
     })
     .await
+}
+
+/// Two in-process slot clients "pa" and "pb" on one slot per pool (a TTL of 30 s), with
+/// `[pools.q]` of one slot too when `with_q`.
+async fn two_processes(
+    redis: &RedisServer,
+    sim: &SimHandle,
+    with_q: bool,
+) -> (
+    llm_worker::slots::Slots,
+    llm_worker::slots::Slots,
+    CancellationToken,
+) {
+    let mut tc = TestConfig::new(redis, sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 1;
+    if with_q {
+        tc.extra = "[pools.q]\nslots = 1\n".to_string();
+    }
+    let cancel = CancellationToken::new();
+    let a = slots_for(&tc, "pa", &cancel).await;
+    let b = slots_for(&tc, "pb", &cancel).await;
+    (a, b, cancel)
+}
+
+/// Releases everything of every process (each stops), then ends their background tasks.
+async fn finish(
+    procs: &[&llm_worker::slots::Slots],
+    cancel: &CancellationToken,
+) -> anyhow::Result<()> {
+    for s in procs {
+        tokio::time::timeout(Duration::from_secs(5), s.release_all()).await??;
+    }
+    cancel.cancel();
+    Ok(())
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -687,6 +728,15 @@ async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() 
     Ok(())
 }
 
+/// The server's clock now, in ms (the scripts' time).
+async fn server_ms(conn: &mut Conn) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME")
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("TIME: {e}"));
+    secs * 1000 + micros / 1000
+}
+
 /// The hand-off stream keeps old entries, so a waiter can read one addressed to it long
 /// after its short hand-off lease ended (it stopped waiting, or fell behind). Such an
 /// entry must not let it take the slot ahead of the process at the head of the queue:
@@ -699,33 +749,25 @@ async fn an_old_hand_off_read_late_does_not_jump_the_queue() -> anyhow::Result<(
     tc.ttl_ms = 2_000;
     tc.slots = 1;
     let cancel = CancellationToken::new();
-    let holder_cancel = CancellationToken::new();
-    let x = slots_for(&tc, "px", &holder_cancel).await;
-    let c = slots_for(&tc, "pc", &cancel).await;
     let a = slots_for(&tc, "pa", &cancel).await;
     let mut conn = redis.conn().await;
-    let t = Duration::from_secs(5);
-    // X holds the only slot, then goes quiet without releasing (its tasks stop).
-    let lx = tokio::time::timeout(t, x.acquire("default", t)).await??;
-    holder_cancel.cancel();
-    std::mem::forget(lx);
-    // C queues first, then A.
-    let cc = c.clone();
-    let wc = tokio::spawn(async move { cc.acquire("default", Duration::from_secs(8)).await });
-    assert!(wait_queued(&conn, c.token()).await, "C queued");
+    // The only slot is free, and the queue's live head is another process ("c", planted:
+    // no process serves it, so only a queue jump can give A the slot).
+    let now = server_ms(&mut conn).await;
+    let _: () = conn.zadd("{llm}:slotq:default", "c", 1).await?;
+    let _: () = conn
+        .zadd("{llm}:slotalive:default", "c", now + 600_000)
+        .await?;
     let aa = a.clone();
-    let wa = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(8)).await });
-    assert!(wait_queued(&conn, a.token()).await, "A queued behind C");
-    // The slot is free and the lease hash records an old hand-off to A (its lease ended
-    // three TTLs ago), and the hand-off's entry is in the stream: as if A read it late.
-    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
-    let ended = secs * 1000 + micros / 1000 - 3 * 2_000;
-    let _: () = conn.del("{llm}:slot:default:0").await?;
+    let wa = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(10)).await });
+    assert!(wait_queued(&conn, a.token()).await, "A queued behind c");
+    // The lease hash records an old hand-off to A (its lease ended three TTLs ago), and
+    // its entry is in the stream: as if A read it late.
     let _: () = conn
         .hset(
             "{llm}:slotlease:default",
             "0",
-            format!("{}|{ended}|500", a.token()),
+            format!("{}|{}|500", a.token(), now - 3 * 2_000),
         )
         .await?;
     let _: String = redis::cmd("XADD")
@@ -737,23 +779,306 @@ async fn an_old_hand_off_read_late_does_not_jump_the_queue() -> anyhow::Result<(
         .arg(0)
         .query_async(&mut conn)
         .await?;
-    // C, the head, gets the free slot (at its next tick); A keeps waiting.
-    let for_c = tokio::time::timeout(t, wc).await??;
-    assert!(
-        for_c.is_ok(),
-        "C, first in the queue, gets the slot: {for_c:?}"
-    );
+    // A reads it at once (its driver blocks on the stream) and must refuse it; it keeps
+    // waiting behind c through more than one of its own tries.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert!(
         !wa.is_finished(),
-        "A did not take the slot on an old hand-off"
+        "A took the slot on an old hand-off, ahead of c"
     );
-    drop(for_c);
-    let for_a = tokio::time::timeout(t, wa).await??;
-    assert!(for_a.is_ok(), "A gets it after C: {for_a:?}");
-    drop(for_a);
-    for s in [&a, &c] {
-        tokio::time::timeout(t, s.release_all()).await??;
+    let v: Option<String> = conn.get("{llm}:slot:default:0").await?;
+    assert_eq!(v, None, "the slot stays free for the head");
+    // c leaves: A is the head and gets the free slot at its next try.
+    let _: () = conn.zrem("{llm}:slotq:default", "c").await?;
+    let got = tokio::time::timeout(Duration::from_secs(5), wa).await??;
+    assert!(
+        got.is_ok(),
+        "A gets the slot once it heads the queue: {got:?}"
+    );
+    drop(got);
+    finish(&[&a], &cancel).await
+}
+
+/// A release that is the first slot script after a Redis stall (a partition, a
+/// failover: its retries come every 200 ms, renewals only every ttl/8) finds its key
+/// absent (the lease lapsed by the wall clock while Redis stood still). The lease is
+/// still its own: it must be released, not left for the next renewal elsewhere to
+/// restore for a holder that has let it go (a dead slot for a TTL, and a key holding
+/// the token after release-all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_first_after_a_stall_frees_its_slot() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 1;
+    // No background tasks: no renewal tick may run the clock in between.
+    let quiet = CancellationToken::new();
+    quiet.cancel();
+    let a = slots_for(&tc, "pa", &quiet).await;
+    let b = slots_for(&tc, "pb", &quiet).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    for all in [false, true] {
+        let lease = tokio::time::timeout(t, a.try_acquire("default"))
+            .await??
+            .expect("the free slot");
+        // The stall: the clock last saw Redis 20 s ago (gap > ttl/2), the lease was live
+        // then, and its key lapsed meanwhile.
+        let now = server_ms(&mut conn).await;
+        let _: () = conn
+            .hset("{llm}:slotlease:default", "t", now - 20_000)
+            .await?;
+        let rec: String = conn.hget("{llm}:slotlease:default", "0").await?;
+        let (value, _) = rec.split_once('|').expect("a lease record");
+        let _: () = conn
+            .hset(
+                "{llm}:slotlease:default",
+                "0",
+                format!("{value}|{}|30000", now - 10_000),
+            )
+            .await?;
+        let _: () = conn.del("{llm}:slot:default:0").await?;
+        if all {
+            let n = tokio::time::timeout(t, a.release_all()).await??;
+            assert_eq!(n, 1, "release-all counts the lapsed lease as released");
+            std::mem::forget(lease);
+        } else {
+            tokio::time::timeout(t, lease.release()).await??;
+        }
+        // B's acquire runs the full clock (it restores every lease live before the
+        // stall): A's released lease must not come back.
+        let got = tokio::time::timeout(t, b.try_acquire("default")).await??;
+        let held: Option<String> = conn.get("{llm}:slot:default:0").await?;
+        assert!(
+            got.is_some(),
+            "release-all = {all}: B takes the slot A released; it holds {held:?}"
+        );
+        drop(got);
+        let freed = wait_for(t, || {
+            let mut c = conn.clone();
+            async move { slot_keys(&mut c, "llm").await.is_empty() }
+        })
+        .await;
+        assert!(freed, "release-all = {all}: B's dropped lease is released");
     }
-    cancel.cancel();
+    tokio::time::timeout(t, b.release_all()).await??;
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
+}
+
+/// A process already blocked waiting for one pool that starts waiting for another must
+/// see a hand-off of the second at once: its driver reads every pool's hand-off stream,
+/// not only those that had waiters when it began to block (else the hand-off waits for
+/// that block's end, up to a second, longer than the 500 ms hand-off lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_of_a_second_pool_reaches_a_waiter_blocked_on_the_first() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = two_processes(&redis, &sim, true).await;
+    let conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let on_p = tokio::time::timeout(t, b.acquire("default", t)).await??;
+    let on_q = tokio::time::timeout(t, b.acquire("q", t)).await??;
+    // A waits for the default pool: its driver blocks reading.
+    let aa = a.clone();
+    let wp = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(20)).await });
+    assert!(
+        wait_queued(&conn, a.token()).await,
+        "A queued for the default pool"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Then for q.
+    let aa = a.clone();
+    let wq = tokio::spawn(async move { aa.acquire("q", Duration::from_secs(20)).await });
+    assert!(
+        wait_queued_in(&conn, "q", a.token()).await,
+        "A queued for q"
+    );
+    let released = Instant::now();
+    on_q.release().await?;
+    let got = tokio::time::timeout(t, wq).await??;
+    let took = released.elapsed();
+    assert!(got.is_ok(), "A gets q's slot: {got:?}");
+    eprintln!("hand-off of a second pool reached the waiter after {took:?}");
+    assert!(
+        took < Duration::from_millis(500),
+        "the hand-off reached A within its 500 ms hand-off lease: {took:?}"
+    );
+    drop(got);
+    on_p.release().await?;
+    let got = tokio::time::timeout(t, wp).await??;
+    assert!(got.is_ok(), "A gets the default pool's slot: {got:?}");
+    drop(got);
+    finish(&[&a, &b], &cancel).await
+}
+
+/// A hand-off wakes only the process it is addressed to into Redis work: the others'
+/// drivers read the entry (their read returns) but make no try of their own before their
+/// own deadline. Six processes pass one slot round and round; the acquire-or-queue,
+/// release and pick-up scripts (EVALSHA) per hand-off stay about 2, not 2 + the number
+/// of other waiters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_costs_no_script_in_the_processes_it_is_not_for() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 1;
+    let cancel = CancellationToken::new();
+    let mut procs = vec![];
+    for i in 0..6 {
+        procs.push(slots_for(&tc, &format!("p{i}"), &cancel).await);
+    }
+    let mut conn = redis.conn().await;
+    // Every process holds or waits before counting starts.
+    let first = tokio::time::timeout(
+        Duration::from_secs(5),
+        procs[0].acquire("default", Duration::from_secs(5)),
+    )
+    .await??;
+    let rounds = 10;
+    let mut tasks = vec![];
+    for s in procs.iter().skip(1) {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..rounds {
+                let l = s.acquire("default", Duration::from_secs(30)).await?;
+                l.release().await?;
+            }
+            Ok::<_, llm_worker::slots::SlotError>(())
+        }));
+    }
+    let all_queued = wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        async move { c.zcard::<_, u64>("{llm}:slotq:default").await.unwrap_or(0) == 5 }
+    })
+    .await;
+    assert!(all_queued, "five processes queued");
+    let before = calls_of(&mut conn, "evalsha").await;
+    let started = Instant::now();
+    first.release().await?;
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task).await???;
+    }
+    let took = started.elapsed();
+    let scripts = calls_of(&mut conn, "evalsha").await - before;
+    let handoffs = 5 * rounds;
+    let per = scripts as f64 / handoffs as f64;
+    eprintln!("{handoffs} hand-offs in {took:?}: {scripts} scripts, {per:.2} per hand-off");
+    // Each round: a release (a hand-off), its pick-up, and the releaser's next acquire
+    // (queue again): 3, plus each waiting process's own try at most once a second.
+    let allowance = 3.0 + 5.0 * (took.as_secs_f64() + 1.0) / handoffs as f64;
+    assert!(
+        per <= allowance,
+        "{per:.2} scripts per hand-off (at most {allowance:.2}): other processes' hand-offs woke waiters into tries"
+    );
+    finish(&procs.iter().collect::<Vec<_>>(), &cancel).await
+}
+
+/// A hand-off entry read for a pool where nobody here waits (an old one, or one that
+/// raced the waiter's own try) is handed on without touching the process's leases: a
+/// lease this process holds on that very slot now must stay live (marking it lost would
+/// stop its renewal, and its call would run on past a key that expired: N + 1 in flight).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_nobody_here_wants_leaves_a_live_lease_alone() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = two_processes(&redis, &sim, true).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let mine = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    let held_q = tokio::time::timeout(t, b.acquire("q", t)).await??;
+    // A waits for q, so its driver reads the hand-off streams.
+    let aa = a.clone();
+    let wq = tokio::spawn(async move { aa.acquire("q", Duration::from_secs(20)).await });
+    assert!(
+        wait_queued_in(&conn, "q", a.token()).await,
+        "A queued for q"
+    );
+    let _: String = redis::cmd("XADD")
+        .arg("{llm}:slotwake:default")
+        .arg("*")
+        .arg("t")
+        .arg(a.token())
+        .arg("i")
+        .arg(0)
+        .query_async(&mut conn)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !mine.is_lost(),
+        "A's live lease on the slot was marked lost by an entry nobody wanted"
+    );
+    let v: Option<String> = conn.get("{llm}:slot:default:0").await?;
+    assert!(
+        v.is_some_and(|v| v.starts_with(&format!("{}#", a.token()))),
+        "the slot still holds A's lease"
+    );
+    held_q.release().await?;
+    let got = tokio::time::timeout(t, wq).await??;
+    assert!(got.is_ok(), "A gets q's slot: {got:?}");
+    drop(got);
+    mine.release().await?;
+    finish(&[&a, &b], &cancel).await
+}
+
+/// A hand-off stream recreated with ids below the driver's mark (Redis restarted from an
+/// older state, a promoted replica, a clock stepped back) would hide every hand-off from
+/// a driver reading on from its mark. Emulated: the mark is pushed into the future by an
+/// entry for nobody, the stream is deleted and the driver's connection cut; after reconnecting,
+/// the driver reads the stream from the start and the next hand-off reaches it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_stream_restarted_below_the_mark_is_read_again() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = two_processes(&redis, &sim, false).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let held = tokio::time::timeout(t, b.acquire("default", t)).await??;
+    let aa = a.clone();
+    let wa = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(20)).await });
+    assert!(wait_queued(&conn, a.token()).await, "A queued");
+    let _: String = redis::cmd("XADD")
+        .arg("{llm}:slotwake:default")
+        .arg("99999999999999-0")
+        .arg("t")
+        .arg("nobody")
+        .arg("i")
+        .arg(0)
+        .query_async(&mut conn)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await; // A's driver reads it
+    let _: () = conn.del("{llm}:slotwake:default").await?;
+    // Cut the driver's connection (the one blocked in XREAD), as a restart would.
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut conn)
+        .await?;
+    let reader = clients
+        .lines()
+        .find(|l| l.contains("cmd=xread"))
+        .and_then(|l| l.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .expect("A's driver blocked in XREAD")
+        .to_string();
+    let _: () = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(&reader)
+        .query_async(&mut conn)
+        .await?;
+    tokio::time::sleep(Duration::from_millis(500)).await; // A's driver reconnects
+    assert!(wait_queued(&conn, a.token()).await, "A still queued");
+    let released = Instant::now();
+    held.release().await?;
+    let got = tokio::time::timeout(t, wa).await??;
+    let took = released.elapsed();
+    assert!(got.is_ok(), "A gets the slot: {got:?}");
+    eprintln!("hand-off after the stream restarted reached the waiter in {took:?}");
+    assert!(
+        took < Duration::from_millis(400),
+        "the hand-off was read at once, not left to the hand-off lease's end: {took:?}"
+    );
+    drop(got);
+    finish(&[&a, &b], &cancel).await
 }
