@@ -92,14 +92,14 @@ impl Cooldowns {
         }
         tracing::warn!(what = %k, seconds = len.as_secs_f64(), reason = %why, "cooldown: the fleet routes around it until it ends");
         metrics::counter!("llm_worker_cooldowns_total").increment(1);
-        let mut inv = crate::scripts::COOLDOWN.prepare_invoke();
+        let mut inv = crate::scripts::Call::new(&crate::scripts::COOLDOWN);
         inv.key(hash_key(&self.inner.ns))
             .arg(&k)
             .arg(len.as_millis() as u64)
             .arg(why);
         let sent = async {
             let mut conn = self.inner.conn.get().await.map_err(|e| e.to_string())?;
-            inv.invoke_async::<i64>(&mut conn)
+            inv.invoke::<i64>(&mut conn)
                 .await
                 .map_err(|e| e.to_string())
         };

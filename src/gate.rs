@@ -53,7 +53,7 @@ impl Gate {
         ttl_ms: u64,
         rate: Option<&RateAsk>,
     ) -> Result<Answer, GateError> {
-        let mut inv = crate::scripts::QUOTA_ADMIT.prepare_invoke();
+        let mut inv = crate::scripts::Call::new(&crate::scripts::QUOTA_ADMIT);
         let nb = budget.map_or(0, |b| b.keys().count());
         inv.arg(nb)
             .arg(budget.map_or("", |b| b.id.as_str()))
@@ -78,7 +78,7 @@ impl Gate {
             }
         }
         let mut conn = self.conn.get().await?;
-        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        let reply: Vec<i64> = inv.invoke(&mut conn).await?;
         let at = |n: usize| reply.get(n).copied().unwrap_or(0);
         Ok(match (at(0), at(1)) {
             (1, second) => Answer::Admitted { second },
@@ -104,7 +104,7 @@ impl Gate {
         admission: Option<&Admission>,
         used: Option<u64>,
     ) -> Result<usize, GateError> {
-        let mut inv = crate::scripts::QUOTA_SETTLE.prepare_invoke();
+        let mut inv = crate::scripts::Call::new(&crate::scripts::QUOTA_SETTLE);
         let nb = reservation.map_or(0, |r| r.keys.len());
         // Only a tokens admission has anything to correct (its record goes with it).
         let tokens_admission = admission.filter(|a| !a.token_keys.is_empty());
@@ -126,7 +126,7 @@ impl Gate {
             inv.key(&a.adm_key);
         }
         let mut conn = self.conn.get().await?;
-        let settled: i64 = inv.invoke_async(&mut conn).await?;
+        let settled: i64 = inv.invoke(&mut conn).await?;
         Ok(settled.max(0) as usize)
     }
 }

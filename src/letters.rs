@@ -275,14 +275,13 @@ pub async fn replay(
             Some(id) => keys.cancel(id),
             None => format!("{}:replay-none:{}", keys.prefix, l.entry),
         };
-        let new: Option<String> = crate::scripts::REPLAY
-            .prepare_invoke()
+        let new: Option<String> = crate::scripts::Call::new(&crate::scripts::REPLAY)
             .key(l.which.key(&keys))
             .key(&keys.jobs)
             .key(cancel)
             .arg(&l.entry)
             .arg(payload)
-            .invoke_async(&mut c)
+            .invoke(&mut c)
             .await?;
         if let Some(new) = new {
             done.push((l.entry.clone(), new));

@@ -9,6 +9,77 @@
 use redis::Script;
 use std::sync::LazyLock;
 
+/// One call of a script of this room: the same EVALSHA (and SCRIPT LOAD on NOSCRIPT) as
+/// redis-rs's `ScriptInvocation`, built straight into two command buffers (keys, then
+/// arguments). `ScriptInvocation` allocates a `Vec` per key and argument and copies them
+/// all into the command it sends; the commit alone has 40 to 70 per job, which made the
+/// allocator the largest cost of a job in the worker (callgrind, docs/performance.md).
+pub struct Call<'a> {
+    script: &'a Script,
+    keys: redis::Cmd,
+    args: redis::Cmd,
+}
+
+impl<'a> Call<'a> {
+    /// A call of `script` with no key and no argument yet.
+    pub fn new(script: &'a Script) -> Call<'a> {
+        Call {
+            script,
+            keys: redis::Cmd::with_capacity(16, 512),
+            args: redis::Cmd::with_capacity(32, 1024),
+        }
+    }
+
+    /// Adds `KEYS[n]` (every key a script touches is passed so; see the tests below).
+    pub fn key<T: redis::ToRedisArgs>(&mut self, key: T) -> &mut Self {
+        self.keys.arg(key);
+        self
+    }
+
+    /// Adds `ARGV[n]`.
+    pub fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.args.arg(arg);
+        self
+    }
+
+    /// The EVALSHA command: hash, key count, keys, arguments.
+    fn command(&self) -> redis::Cmd {
+        let (keys, args) = (self.keys.args_iter(), self.args.args_iter());
+        let size: usize = keys
+            .clone()
+            .chain(args.clone())
+            .map(|a| match a {
+                redis::Arg::Simple(b) => b.len(),
+                _ => 0,
+            })
+            .sum();
+        let nkeys = keys.len();
+        let mut cmd = redis::Cmd::with_capacity(3 + nkeys + args.len(), size + 64);
+        cmd.arg("EVALSHA").arg(self.script.get_hash()).arg(nkeys);
+        for a in keys.chain(args) {
+            if let redis::Arg::Simple(b) = a {
+                cmd.arg(b);
+            }
+        }
+        cmd
+    }
+
+    /// Runs the script (loading it first if Redis does not know it) and parses its reply.
+    pub async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        con: &mut impl redis::aio::ConnectionLike,
+    ) -> redis::RedisResult<T> {
+        let cmd = self.command();
+        match cmd.query_async(con).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.script.load_async(con).await?;
+                cmd.query_async(con).await
+            }
+            r => r,
+        }
+    }
+}
+
 /// A script of `lua/` with a shared prelude of `lua/` prepended.
 macro_rules! with_prelude {
     ($prelude:literal, $file:literal) => {

@@ -523,7 +523,7 @@ impl Slots {
             }
         }
         let mut conn = inner.conn.get().await?;
-        let reply: Vec<u64> = inv.invoke_async(&mut conn).await?;
+        let reply: Vec<u64> = inv.invoke(&mut conn).await?;
         let (released, handed) = (
             reply.first().copied().unwrap_or(0),
             reply.get(1).copied().unwrap_or(0),
@@ -587,8 +587,8 @@ fn remove_waiter(ps: &PoolState, id: u64) -> bool {
 }
 
 /// The release script with its fixed arguments; the caller adds the pool groups.
-fn release_invoke(inner: &Inner, all: bool) -> redis::ScriptInvocation<'_> {
-    let mut inv = inner.release_script.prepare_invoke();
+fn release_invoke(inner: &Inner, all: bool) -> crate::scripts::Call<'_> {
+    let mut inv = crate::scripts::Call::new(&inner.release_script);
     inv.arg(&inner.token)
         .arg(inner.ttl.as_millis() as u64)
         .arg(if all { "1" } else { "0" })
@@ -600,7 +600,7 @@ fn release_invoke(inner: &Inner, all: bool) -> redis::ScriptInvocation<'_> {
 }
 
 /// The release script's keys of `ps`'s group (before the group's slot keys).
-fn release_group_keys(inv: &mut redis::ScriptInvocation<'_>, ps: &PoolState) {
+fn release_group_keys(inv: &mut crate::scripts::Call<'_>, ps: &PoolState) {
     inv.key(&ps.queue_key)
         .key(&ps.lease_key)
         .key(&ps.live_key)
@@ -641,7 +641,7 @@ async fn try_take(
     enqueue: bool,
     want: usize,
 ) -> Result<Try, SlotError> {
-    let mut inv = inner.acquire_script.prepare_invoke();
+    let mut inv = crate::scripts::Call::new(&inner.acquire_script);
     inv.key(&ps.queue_key).key(&ps.lease_key).key(&ps.live_key);
     for k in &ps.slot_keys {
         inv.key(k);
@@ -656,7 +656,7 @@ async fn try_take(
     let prefix = format!("{}.", lease_value(inner));
     inv.arg(&prefix);
     let mut conn = inner.conn.get().await?;
-    let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+    let reply: Vec<i64> = inv.invoke(&mut conn).await?;
     #[cfg(debug_assertions)]
     if let Some(ms) = std::env::var("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS")
         .ok()
@@ -938,7 +938,7 @@ async fn release_batch(
     }
     let sent = async {
         let mut conn = inner.conn.get().await?;
-        let reply: Vec<i64> = inv.invoke_async(&mut conn).await?;
+        let reply: Vec<i64> = inv.invoke(&mut conn).await?;
         Ok::<_, SlotError>(reply)
     };
     let reply = match sent.await {
@@ -1245,7 +1245,7 @@ fn release_orphans(inner: Arc<Inner>, orphans: Vec<(String, u32, String)>) {
             }
             let sent = async {
                 let mut conn = inner.conn.get().await?;
-                let _: Vec<i64> = inv.invoke_async(&mut conn).await?;
+                let _: Vec<i64> = inv.invoke(&mut conn).await?;
                 Ok::<_, SlotError>(())
             };
             match sent.await {
@@ -1337,7 +1337,7 @@ async fn renew(
     items: &[(&PoolState, u32, &str, &str)],
     tick_pools: &[&PoolState],
 ) -> Result<Vec<Renewed>, SlotError> {
-    let mut inv = inner.renew_script.prepare_invoke();
+    let mut inv = crate::scripts::Call::new(&inner.renew_script);
     inv.arg(&inner.token)
         .arg(inner.ttl.as_millis() as u64)
         .arg(stall_gap(inner.ttl).as_millis() as u64);
@@ -1367,7 +1367,7 @@ async fn renew(
         }
     }
     let mut conn = inner.conn.get().await?;
-    let flags: Vec<i64> = inv.invoke_async(&mut conn).await?;
+    let flags: Vec<i64> = inv.invoke(&mut conn).await?;
     let mut out = vec![Renewed::Lost; items.len()];
     for (n, f) in order.into_iter().zip(flags) {
         out[n] = match f {

@@ -198,7 +198,7 @@ impl Tenants {
             .collect();
         // Run with nothing held too: it is this worker's tick of the tenant clock.
         let keys = &self.inner.keys;
-        let mut inv = crate::scripts::TENANT_RENEW.prepare_invoke();
+        let mut inv = crate::scripts::Call::new(&crate::scripts::TENANT_RENEW);
         inv.key(keys.tenant_clock())
             .key(&keys.jobs)
             .arg(self.ttl_ms())
@@ -211,7 +211,7 @@ impl Tenants {
             }
         }
         let mut conn = self.inner.conn.get().await?;
-        let _: i64 = inv.invoke_async(&mut conn).await?;
+        let _: i64 = inv.invoke(&mut conn).await?;
         Ok(())
     }
 
@@ -338,7 +338,7 @@ async fn release(
 ) -> Result<u64, TenantError> {
     // 0 = no cap here: the parked entries are moved back without places.
     let cap = inner.caps.get(pool).copied().unwrap_or(0);
-    let mut inv = crate::scripts::TENANT_RELEASE.prepare_invoke();
+    let mut inv = crate::scripts::Call::new(&crate::scripts::TENANT_RELEASE);
     inv.key(inner.keys.tenant_holders(pool, tenant))
         .key(inner.keys.parked(pool, tenant))
         .key(&inner.keys.jobs)
@@ -350,7 +350,7 @@ async fn release(
         .arg(format!("{pool}:{tenant}"))
         .arg(millis((inner.ttl / 2).max(Duration::from_millis(20))));
     let mut conn = inner.conn.get().await?;
-    let moved: u64 = inv.invoke_async(&mut conn).await?;
+    let moved: u64 = inv.invoke(&mut conn).await?;
     if moved > 0 {
         metrics::counter!("llm_worker_tenant_unparked_total", "pool" => pool.to_string())
             .increment(moved);

@@ -555,7 +555,7 @@ impl Queue {
         } else {
             0
         };
-        let mut inv = self.commit_script.prepare_invoke();
+        let mut inv = crate::scripts::Call::new(&self.commit_script);
         let letters = if c.dead_is_failed_copy {
             &self.keys.failed
         } else {
@@ -592,7 +592,7 @@ impl Queue {
             inv.arg(k).arg(*v);
         }
         let mut conn = self.conn.get().await?;
-        let (what, result_id): (String, String) = inv.invoke_async(&mut conn).await?;
+        let (what, result_id): (String, String) = inv.invoke(&mut conn).await?;
         Ok(match what.as_str() {
             "written" => CommitOutcome::Written { result_id },
             "had" => CommitOutcome::AlreadyWritten { result_id },
@@ -605,14 +605,13 @@ impl Queue {
     /// The idempotency check for `job_id` (see `lua/claim_id.lua`).
     pub async fn claim_id(&self, job_id: &str, entry_id: &str) -> Result<IdClaim, QueueError> {
         let mut conn = self.conn.get().await?;
-        let (kind, val): (String, String) = self
-            .claim_id_script
+        let (kind, val): (String, String) = crate::scripts::Call::new(&self.claim_id_script)
             .key(self.keys.done(job_id))
             .key(self.keys.inflight(job_id))
             .key(self.keys.cancel(job_id))
             .arg(entry_id)
             .arg(self.claim_idle_ms)
-            .invoke_async(&mut conn)
+            .invoke(&mut conn)
             .await?;
         Ok(match kind.as_str() {
             "done" => {
@@ -676,7 +675,7 @@ impl Queue {
         &self,
         entries: &[(String, String)],
     ) -> Result<(bool, Vec<String>, Vec<String>), QueueError> {
-        let mut inv = self.keepalive_script.prepare_invoke();
+        let mut inv = crate::scripts::Call::new(&self.keepalive_script);
         inv.key(&self.keys.jobs)
             .key(format!("{}:heartbeat", self.keys.prefix))
             .key(format!("{}:stalled", self.keys.prefix));
@@ -693,7 +692,7 @@ impl Queue {
         }
         let mut conn = self.conn.get().await?;
         let (stalled, gone, deleted): (i64, Vec<String>, Vec<String>) =
-            inv.invoke_async(&mut conn).await?;
+            inv.invoke(&mut conn).await?;
         Ok((stalled == 1, gone, deleted))
     }
 
@@ -731,21 +730,21 @@ impl Queue {
         while out.deliveries.len() < count {
             // Raw (`AutoClaimReply`): one entry the typed reply cannot hold must not fail
             // every reclaim from now on.
-            let (stalled, reply, counts): (i64, AutoClaimReply, Vec<u64>) = self
-                .reclaim_script
-                .key(&self.keys.jobs)
-                .key(format!("{}:heartbeat", self.keys.prefix))
-                .key(format!("{}:stalled", self.keys.prefix))
-                .key(self.keys.dropped())
-                .arg(&self.group)
-                .arg(&self.consumer)
-                .arg(self.claim_idle_ms)
-                .arg(self.stall_gap_ms())
-                .arg(&cursor)
-                .arg(count - out.deliveries.len())
-                .arg(self.tombstone_ttl_s() * 1000)
-                .invoke_async(&mut conn)
-                .await?;
+            let (stalled, reply, counts): (i64, AutoClaimReply, Vec<u64>) =
+                crate::scripts::Call::new(&self.reclaim_script)
+                    .key(&self.keys.jobs)
+                    .key(format!("{}:heartbeat", self.keys.prefix))
+                    .key(format!("{}:stalled", self.keys.prefix))
+                    .key(self.keys.dropped())
+                    .arg(&self.group)
+                    .arg(&self.consumer)
+                    .arg(self.claim_idle_ms)
+                    .arg(self.stall_gap_ms())
+                    .arg(&cursor)
+                    .arg(count - out.deliveries.len())
+                    .arg(self.tombstone_ttl_s() * 1000)
+                    .invoke(&mut conn)
+                    .await?;
             if stalled == 1 {
                 tracing::info!(
                     "Redis did not answer for longer than queue.claim_idle_ms; not taking over jobs for that long, so their workers can keep or commit them"
@@ -866,7 +865,7 @@ impl Queue {
             &[],
         );
         let mut conn = self.conn.get().await?;
-        let (kind, id): (String, String) = inv.invoke_async(&mut conn).await?;
+        let (kind, id): (String, String) = inv.invoke(&mut conn).await?;
         Ok(match kind.as_str() {
             "moved" => HandBack::Moved(id),
             "deleted" => HandBack::Deleted,
@@ -885,8 +884,8 @@ impl Queue {
         deliveries: u64,
         billed: Option<&[u8]>,
         more_keys: &[String],
-    ) -> redis::ScriptInvocation<'s> {
-        let mut inv = script.prepare_invoke();
+    ) -> crate::scripts::Call<'s> {
+        let mut inv = crate::scripts::Call::new(script);
         inv.key(&self.keys.jobs)
             .key(self.keys.inflight(job_id.unwrap_or("")))
             .key(self.keys.handed_back(entry_id));
@@ -938,7 +937,7 @@ impl Queue {
             .arg(place.gap_ms)
             .arg(place.transit_ms);
         let mut conn = self.conn.get().await?;
-        let (kind, id): (String, String) = inv.invoke_async(&mut conn).await?;
+        let (kind, id): (String, String) = inv.invoke(&mut conn).await?;
         Ok(match kind.as_str() {
             "admitted" => TenantAdmit::Admitted,
             "parked" => TenantAdmit::Parked(id),
@@ -1001,14 +1000,14 @@ impl Queue {
         idle: Option<Duration>,
     ) -> Result<Vec<String>, QueueError> {
         let script = &*scripts::CONSUMERS;
-        let mut inv = script.prepare_invoke();
+        let mut inv = crate::scripts::Call::new(script);
         inv.key(&self.keys.jobs)
             .arg(&self.group)
             .arg(if idle.is_some() { "idle" } else { "self" })
             .arg(&self.consumer)
             .arg(idle.map(|d| d.as_millis() as u64).unwrap_or(0));
         let mut conn = self.conn.get().await?;
-        Ok(inv.invoke_async(&mut conn).await?)
+        Ok(inv.invoke(&mut conn).await?)
     }
 }
 
