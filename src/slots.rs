@@ -177,6 +177,11 @@ struct PoolState {
     /// Id of the last entry of the hand-off stream this process has read: the driver
     /// reads on from there, so a hand-off written while it was not blocked is not missed.
     wake_last: Mutex<String>,
+    /// The hand-off stream cannot be read (a key of another type, refused by an ACL):
+    /// left out of the driver's reads, so the other pools' hand-offs still arrive, until
+    /// the next (re)connection checks it again. This pool's waiters are served by their
+    /// own tries meanwhile.
+    wake_broken: AtomicBool,
     /// The pool's lease hash: a shadow of every slot key plus the lease clock.
     lease_key: String,
     waiters: Mutex<VecDeque<Waiter>>,
@@ -245,6 +250,9 @@ struct Inner {
     next_nonce: AtomicU64,
     /// Fault injection for tests: how long the releaser waits before each release script.
     release_delay: Mutex<Duration>,
+    /// Fault injection for tests: how long the driver's stream check of a fresh
+    /// connection stalls (as on a Redis that stopped answering after the connect).
+    mark_check_delay: Mutex<Duration>,
 }
 
 /// One slot waiting to be released by the batching releaser.
@@ -329,7 +337,10 @@ impl Slots {
                 // Hand-offs to this process can only come after it first queues (below,
                 // later): everything in the stream now is someone else's.
                 let wake_key = keys.wake(name);
-                let wake_last = crate::connect::stream_end(&mut c, &wake_key).await?;
+                // (A stream that cannot be read now is checked again by the driver.)
+                let wake_last = crate::connect::stream_end(&mut c, &wake_key)
+                    .await
+                    .unwrap_or_else(|_| "0-0".to_string());
                 pools.insert(
                     name.clone(),
                     PoolState {
@@ -340,6 +351,7 @@ impl Slots {
                         live_key: keys.waiter_alive(name),
                         wake_key,
                         wake_last: Mutex::new(wake_last),
+                        wake_broken: AtomicBool::new(false),
                         lease_key: keys.lease(name),
                         waiters: Mutex::new(VecDeque::new()),
                         next_check: Mutex::new(Instant::now()),
@@ -373,6 +385,7 @@ impl Slots {
                 releases: Mutex::new((Vec::new(), false)),
                 next_nonce: AtomicU64::new(1),
                 release_delay: Mutex::new(Duration::ZERO),
+                mark_check_delay: Mutex::new(Duration::ZERO),
             }),
         })
     }
@@ -387,6 +400,14 @@ impl Slots {
     #[doc(hidden)]
     pub fn delay_releases_for_tests(&self, d: Duration) {
         *lock(&self.inner.release_delay) = d;
+    }
+
+    /// Fault injection for tests: the driver's check of the hand-off streams on every
+    /// fresh connection first waits `d` (a Redis that stops answering right after the
+    /// connect).
+    #[doc(hidden)]
+    pub fn stall_mark_checks_for_tests(&self, d: Duration) {
+        *lock(&self.inner.mark_check_delay) = d;
     }
 
     /// N of `pool` as recorded fleet-wide.
@@ -1057,32 +1078,63 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
             .saturating_duration_since(now)
             .max(Duration::from_millis(1));
         if conn.is_none() {
-            match blocking_connection(&inner.cfg).await {
-                Ok(mut c) => {
-                    check_marks(&mut c, &pools).await;
-                    conn = Some(c);
-                }
+            let connected = async {
+                let mut c = blocking_connection(&inner.cfg)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                // Bounded: the blocking connection has no reply timeout of its own.
+                let stall = *lock(&inner.mark_check_delay);
+                let check = async {
+                    tokio::time::sleep(stall).await;
+                    check_marks(&mut c, &pools).await
+                };
+                tokio::time::timeout(MARK_CHECK_BOUND, check)
+                    .await
+                    .map_err(|_| "no answer to the hand-off stream check".to_string())?;
+                Ok::<_, String>(c)
+            };
+            let r = tokio::select! {
+                r = connected => r,
+                _ = cancel.cancelled() => return,
+            };
+            match r {
+                Ok(c) => conn = Some(c),
                 Err(e) => {
                     if !failing {
                         tracing::warn!(error = %e, "slot waiter cannot reach Redis; retrying");
                         failing = true;
                     }
-                    backoff.sleep(&cancel).await;
+                    wait_after_failure(&inner, &mut backoff, &mut deadline, &cancel).await;
                     continue;
                 }
             }
         }
         let Some(c) = conn.as_mut() else { continue };
+        let readable: Vec<&PoolState> = pools
+            .iter()
+            .copied()
+            .filter(|p| !p.wake_broken.load(Ordering::Relaxed))
+            .collect();
+        if readable.is_empty() {
+            // Nothing to read: the waiters' own tries serve them, at the deadline.
+            tokio::select! {
+                _ = tokio::time::sleep_until(due) => {}
+                _ = cancel.cancelled() => return,
+            }
+            deadline = None;
+            retry_waiting(&inner).await;
+            continue;
+        }
         let mut cmd = redis::cmd("XREAD");
         cmd.arg("COUNT")
             .arg(WAKE_MAXLEN)
             .arg("BLOCK")
             .arg(tick.as_millis().max(1) as u64)
             .arg("STREAMS");
-        for ps in &pools {
+        for ps in &readable {
             cmd.arg(&ps.wake_key);
         }
-        for ps in &pools {
+        for ps in &readable {
             cmd.arg(lock(&ps.wake_last).as_str());
         }
         let xread = cmd.query_async::<Option<redis::streams::StreamReadReply>>(c);
@@ -1104,10 +1156,10 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
                     tracing::warn!(error = %e, "slot waiter lost Redis; retrying");
                     failing = true;
                 }
+                // Reconnecting checks every stream again (and leaves out one that
+                // cannot be read).
                 conn = None;
-                backoff.sleep(&cancel).await;
-                // Waiters are still served by tries (each refreshes liveness).
-                retry_waiting(&inner).await;
+                wait_after_failure(&inner, &mut backoff, &mut deadline, &cancel).await;
                 continue;
             }
             Err(_) => {
@@ -1142,6 +1194,31 @@ async fn driver(inner: Arc<Inner>, cancel: CancellationToken) {
     }
 }
 
+/// How long the driver waits for the hand-off stream check of a fresh connection.
+const MARK_CHECK_BOUND: Duration = Duration::from_secs(2);
+
+/// After a failed connect, check or read: waits the next backoff step, but never past the
+/// driver's deadline, when the local waiters get their try (each refreshes this process's
+/// liveness: it must not look gone to the fleet because the hand-off streams cannot be
+/// read).
+async fn wait_after_failure(
+    inner: &Arc<Inner>,
+    backoff: &mut Backoff,
+    deadline: &mut Option<Instant>,
+    cancel: &CancellationToken,
+) {
+    let step = Instant::now() + backoff.next_delay(rand::random::<f64>());
+    let until = deadline.map_or(step, |due| due.min(step));
+    tokio::select! {
+        _ = tokio::time::sleep_until(until) => {}
+        _ = cancel.cancelled() => return,
+    }
+    if deadline.is_none_or(|due| Instant::now() >= due) {
+        *deadline = None;
+        retry_waiting(inner).await;
+    }
+}
+
 /// One try for every pool with local waiters (see [`retry_pool`]).
 async fn retry_waiting(inner: &Arc<Inner>) {
     for ps in inner.pools.values() {
@@ -1164,13 +1241,25 @@ fn entry_id(id: &str) -> Option<(u64, u64)> {
 /// addressed to us are refused at pick-up; see `lua/slot_renew.lua`).
 async fn check_marks(c: &mut MultiplexedConnection, pools: &[&PoolState]) {
     for ps in pools {
-        let Ok(end) = crate::connect::stream_end(c, &ps.wake_key).await else {
-            return; // the next read fails too and reconnects
-        };
-        let mut mark = lock(&ps.wake_last);
-        if entry_id(&end) < entry_id(&mark) {
-            tracing::info!(pool = %ps.name, "slot hand-off stream restarted below our mark; reading it from the start");
-            *mark = "0-0".to_string();
+        match crate::connect::stream_end(c, &ps.wake_key).await {
+            Ok(end) => {
+                if ps.wake_broken.swap(false, Ordering::Relaxed) {
+                    tracing::info!(pool = %ps.name, key = %ps.wake_key, "slot hand-off stream readable again");
+                }
+                let mut mark = lock(&ps.wake_last);
+                if entry_id(&end) < entry_id(&mark) {
+                    tracing::info!(pool = %ps.name, "slot hand-off stream restarted below our mark; reading it from the start");
+                    *mark = "0-0".to_string();
+                }
+            }
+            Err(e) if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() => return,
+            Err(e) => {
+                // Another type, or refused: leave it out, or no pool's hand-off would be
+                // read. Its waiters are still served by their own tries.
+                if !ps.wake_broken.swap(true, Ordering::Relaxed) {
+                    tracing::error!(pool = %ps.name, key = %ps.wake_key, error = %e, "slot hand-off stream cannot be read; its waiters are served by their own tries (delete or fix the key)");
+                }
+            }
         }
     }
 }
@@ -1184,9 +1273,14 @@ async fn pick_up(inner: &Arc<Inner>, ps: &PoolState, idx: u32) {
         // the bare process token; the release touches the key only if it still does, and
         // no lease of the held table is involved (the entry may be old, and a lease of
         // ours may hold that slot now).
-        release_orphans(
+        // One pass, within the hand-off lease (after it the key has lapsed anyway): a
+        // later pass could meet a newer hand-off of the same slot to this process, which
+        // holds the same bare token, and take a local waiter's turn.
+        release_values(
             inner.clone(),
             vec![(ps.name.clone(), idx, inner.token.clone())],
+            inner.handoff,
+            1,
         );
         return;
     }
@@ -1226,10 +1320,23 @@ async fn pick_up(inner: &Arc<Inner>, ps: &PoolState, idx: u32) {
 /// script, queued on a connection since dropped, may run after the first retry.
 /// A value that is not (or no longer) the slot's is left alone by the script.
 fn release_orphans(inner: Arc<Inner>, orphans: Vec<(String, u32, String)>) {
+    let within = inner.ttl;
+    release_values(inner, orphans, within, 2);
+}
+
+/// Releases `values` (pool, slot, value) in a task of its own: `passes` scripts that Redis
+/// answered, retried until then for at most `within`.
+fn release_values(
+    inner: Arc<Inner>,
+    values: Vec<(String, u32, String)>,
+    within: Duration,
+    passes_wanted: u32,
+) {
+    let orphans = values;
     tokio::spawn(async move {
-        let deadline = Instant::now() + inner.ttl;
+        let deadline = Instant::now() + within;
         let mut passes = 0;
-        while passes < 2 && Instant::now() < deadline {
+        while passes < passes_wanted && Instant::now() < deadline {
             let mut inv = release_invoke(&inner, false);
             for (pool, idx, value) in &orphans {
                 let Some(ps) = inner.pools.get(pool) else {
