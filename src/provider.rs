@@ -79,6 +79,41 @@ pub enum ProviderError {
     Client { name: String, error: reqwest::Error },
 }
 
+/// The body sent for a job: the job's payload without the worker's own fields (and
+/// without `stream`, `stream_options`), `messages` replaced when trimmed, and `model` set
+/// to the upstream name. Serialized straight from the job's payload: nothing is cloned
+/// per call (a copy of the payload, messages and all, was a large share of a job's
+/// allocations).
+pub struct RequestBody<'a> {
+    payload: &'a Map<String, Value>,
+    messages: Option<&'a [Value]>,
+    model: &'a str,
+}
+
+impl serde::Serialize for RequestBody<'_> {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let skip = |k: &str| {
+            WORKER_FIELDS.contains(&k) || k == "stream" || k == "stream_options" || k == "model"
+        };
+        let mut map = ser.serialize_map(None)?;
+        for (k, v) in self.payload {
+            if skip(k) {
+                continue;
+            }
+            match (k.as_str(), self.messages) {
+                ("messages", Some(m)) => map.serialize_entry(k, m)?,
+                _ => map.serialize_entry(k, v)?,
+            }
+        }
+        if self.messages.is_some() && !self.payload.contains_key("messages") {
+            map.serialize_entry("messages", &self.messages)?;
+        }
+        map.serialize_entry("model", self.model)?;
+        map.end()
+    }
+}
+
 pub struct ProviderClient {
     http: reqwest::Client,
     url: String,
@@ -108,15 +143,16 @@ impl ProviderClient {
 
     /// The request body for one attempt: the job's payload with the worker's own fields
     /// removed, `model` set to `upstream_model`, and `stream` off (results are whole).
-    pub fn request_body(payload: &Map<String, Value>, upstream_model: &str) -> Value {
-        let mut body = payload.clone();
-        for f in WORKER_FIELDS {
-            body.remove(f);
+    pub fn request_body<'a>(
+        payload: &'a Map<String, Value>,
+        messages: Option<&'a [Value]>,
+        upstream_model: &'a str,
+    ) -> RequestBody<'a> {
+        RequestBody {
+            payload,
+            messages,
+            model: upstream_model,
         }
-        body.remove("stream");
-        body.remove("stream_options");
-        body.insert("model".into(), Value::String(upstream_model.to_string()));
-        Value::Object(body)
     }
 
     /// Waits until this process may send one more request to this provider
@@ -128,7 +164,7 @@ impl ProviderClient {
 
     /// Sends one request (the caller has passed [`ProviderClient::throttle`] and holds a
     /// slot). Dropping the future aborts the HTTP request.
-    pub async fn call(&self, body: &Value, job_id: &str) -> Outcome {
+    pub async fn call(&self, body: &RequestBody<'_>, job_id: &str) -> Outcome {
         let mut req = self.http.post(&self.url).json(body);
         // A job id that is not a valid header value (a newline, say) is not sent: the call
         // must not fail for the sake of a tracing header.
@@ -495,10 +531,17 @@ mod tests {
             r#"{"messages":[],"model":"x","route":"r","id":"1","metadata":{},"top_p":0.5,"stream":true,"tier":"free","tenant":"acme","max_cost_usd":"0.01","deadline_ms":1,"context_policy":"trim"}"#,
         )
         .unwrap();
-        let b = ProviderClient::request_body(&payload, "up");
+        let b = serde_json::to_value(ProviderClient::request_body(&payload, None, "up")).unwrap();
         assert_eq!(
             b,
             serde_json::json!({"messages":[],"model":"up","top_p":0.5})
+        );
+        let trimmed = [serde_json::json!({"role": "user", "content": "hi"})];
+        let b = serde_json::to_value(ProviderClient::request_body(&payload, Some(&trimmed), "up"))
+            .unwrap();
+        assert_eq!(
+            b,
+            serde_json::json!({"messages":[{"role":"user","content":"hi"}],"model":"up","top_p":0.5})
         );
     }
 }
