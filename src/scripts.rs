@@ -282,6 +282,39 @@ mod tests {
     }
 
     #[test]
+    fn a_call_sends_evalsha_with_keys_then_arguments_byte_for_byte() {
+        let script = redis::Script::new("return 1");
+        let mut call = super::Call::new(&script);
+        call.arg("a1")
+            .key("k1")
+            .arg(&b"\0\xff\r\n$"[..])
+            .key(b"k2".to_vec())
+            .arg("")
+            .arg(&[] as &[u8])
+            .arg(vec!["x", ""])
+            .arg(None::<&str>)
+            .arg(u64::MAX)
+            .arg(-7i64);
+        let mut want = redis::cmd("EVALSHA");
+        want.arg(script.get_hash())
+            .arg(2)
+            .arg("k1")
+            .arg("k2")
+            .arg("a1")
+            .arg(&b"\0\xff\r\n$"[..])
+            .arg("")
+            .arg("")
+            .arg("x")
+            .arg("")
+            .arg(u64::MAX)
+            .arg(-7i64);
+        assert_eq!(
+            call.command().get_packed_command(),
+            want.get_packed_command()
+        );
+    }
+
+    #[test]
     fn the_check_finds_keys_built_in_a_script() {
         let src = "local key = prefix .. f\nredis.call('GET', key)\n\
                    redis.call('EXISTS', ARGV[5] .. h[1])\n\
