@@ -1101,8 +1101,17 @@ async fn a_stalled_stream_check_does_not_stop_the_waiters_tries() -> anyhow::Res
     let aa = a.clone();
     let wa = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(30)).await });
     assert!(wait_queued(&conn, a.token()).await, "A queued");
+    // A's driver connection, found before the stall is set: with the stall set, a
+    // reconnection of its own (a slow read under load) would never reach XREAD again.
+    let driver = find_client(&mut conn, "cmd=xread").await?;
     a.stall_mark_checks_for_tests(Duration::from_secs(600));
-    kill_client(&mut conn, "cmd=xread").await?;
+    // Gone already (it reconnected by itself) is as good: its next check stalls.
+    let _: redis::RedisResult<()> = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(&driver)
+        .query_async(&mut conn)
+        .await;
     stays_alive(&mut conn, "default", a.token(), Duration::from_secs(6)).await;
     a.stall_mark_checks_for_tests(Duration::ZERO);
     held.release().await?;
@@ -1146,23 +1155,7 @@ async fn an_unreadable_stream_of_another_pool_does_not_stop_hand_offs() -> anyho
 
 /// Cuts the connection of the client whose `CLIENT LIST` line contains `what`.
 async fn kill_client(conn: &mut Conn, what: &str) -> anyhow::Result<()> {
-    // The client may be between two blocking reads for a moment: look again.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let id = loop {
-        let clients: String = redis::cmd("CLIENT").arg("LIST").query_async(conn).await?;
-        let found = clients
-            .lines()
-            .find(|l| l.contains(what))
-            .and_then(|l| l.split(' ').find_map(|f| f.strip_prefix("id=")))
-            .map(str::to_string);
-        match found {
-            Some(id) => break id,
-            None if Instant::now() < deadline => {
-                tokio::time::sleep(Duration::from_millis(20)).await
-            }
-            None => anyhow::bail!("no client with {what}"),
-        }
-    };
+    let id = find_client(conn, what).await?;
     let _: () = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("ID")
@@ -1170,4 +1163,25 @@ async fn kill_client(conn: &mut Conn, what: &str) -> anyhow::Result<()> {
         .query_async(conn)
         .await?;
     Ok(())
+}
+
+/// The id of the client whose `CLIENT LIST` line contains `what` (waited for, at most 5 s:
+/// the client may be between two blocking reads for a moment).
+async fn find_client(conn: &mut Conn, what: &str) -> anyhow::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let clients: String = redis::cmd("CLIENT").arg("LIST").query_async(conn).await?;
+        let found = clients
+            .lines()
+            .find(|l| l.contains(what))
+            .and_then(|l| l.split(' ').find_map(|f| f.strip_prefix("id=")))
+            .map(str::to_string);
+        match found {
+            Some(id) => return Ok(id),
+            None if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            None => anyhow::bail!("no client with {what}"),
+        }
+    }
 }
