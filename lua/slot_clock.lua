@@ -24,8 +24,9 @@
 -- unwritten) for the next script that can (acquire and renewal carry every slot key,
 -- and the renewer of every live worker runs one within ttl/8). Nothing it does takes a
 -- free slot; what it releases is its own lease, which the restore would give back to
--- it: so a key of its own found absent for that reason counts as its own
--- (`slot_lapsed_in_stall`), is released or handed on, and its record goes with it.
+-- it: so a key found absent for that reason is judged by the value recorded for it
+-- (`slot_lapsed_in_stall`); if that is its own, it is released or handed on, and its
+-- record goes with it.
 --
 -- The shebang (first line of every concatenated slot script) declares allow-oom: under
 -- maxmemory + noeviction, Redis 7 refuses the first memory-growing write of a flagless
@@ -75,16 +76,19 @@ local function slot_clock(h, base, n, gap)
   return now
 end
 
--- True if slot `idx`'s key is absent only because Redis stalled: the last slot_clock
--- call found a gap it could not repair, and the lease hash records a lease for the slot
--- that was live when Redis was last seen and whose value passes `matches` (a restore
--- would give the key back to exactly that value).
-local function slot_lapsed_in_stall(h, idx, matches)
+-- For a slot whose key is absent: the value a restore would give it back, if its key is
+-- absent only because Redis stalled (the last slot_clock call found a gap it could not
+-- repair, and the lease hash records a lease for the slot that was live when Redis was
+-- last seen); else nil.
+local function slot_lapsed_in_stall(h, idx)
   if slot_unrestored == nil then
-    return false
+    return nil
   end
   local tok, dl = string.match(redis.call('HGET', h, idx) or '', '^(.*)|(%d+)|%d+$')
-  return tok ~= nil and matches(tok) and tonumber(dl) > slot_unrestored
+  if tok ~= nil and tonumber(dl) > slot_unrestored then
+    return tok
+  end
+  return nil
 end
 
 -- Records a slot key just set to `tok` for `len` ms in the lease hash.

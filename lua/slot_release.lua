@@ -35,6 +35,13 @@
 -- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
 -- 1 released, 2 handed off, 3 kept}.
 local token = ARGV[1]
+-- Whether a slot's value is the lease released (release-all: any value of this process).
+local function matches(v, value)
+  if ARGV[3] == '1' then
+    return v == token or string.sub(v, 1, #token + 1) == token .. '#'
+  end
+  return v == value
+end
 local released, handed, not_ours = 0, 0, 0
 local each = {}
 local a, k = 8, 1
@@ -55,17 +62,11 @@ while a <= #ARGV do
     local key, idx, value = KEYS[k], ARGV[a], ARGV[a + 1]
     k = k + 1
     a = a + 2
-    local function matches(v)
-      if ARGV[3] == '1' then
-        return v == token or string.sub(v, 1, #token + 1) == token .. '#'
-      end
-      return v == value
-    end
     local cur = redis.call('GET', key)
-    local mine = cur and matches(cur)
-    if cur == false and slot_lapsed_in_stall(lh, idx, matches) then
-      mine = true -- ours, its key lapsed while Redis stalled (see slot_clock.lua)
-    end
+    -- An absent key whose lease lapsed only while Redis stalled is judged by the value a
+    -- restore would give it back (see slot_clock.lua).
+    local v = cur or slot_lapsed_in_stall(lh, idx)
+    local mine = v and matches(v, value)
     if not mine then
       not_ours = not_ours + 1
       each[#each + 1] = 0

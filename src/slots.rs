@@ -1328,11 +1328,10 @@ fn release_orphans(inner: Arc<Inner>, orphans: Vec<(String, u32, String)>) {
 /// answered, retried until then for at most `within`.
 fn release_values(
     inner: Arc<Inner>,
-    values: Vec<(String, u32, String)>,
+    orphans: Vec<(String, u32, String)>,
     within: Duration,
     passes_wanted: u32,
 ) {
-    let orphans = values;
     tokio::spawn(async move {
         let deadline = Instant::now() + within;
         let mut passes = 0;

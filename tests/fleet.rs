@@ -770,15 +770,7 @@ async fn an_old_hand_off_read_late_does_not_jump_the_queue() -> anyhow::Result<(
             format!("{}|{}|500", a.token(), now - 3 * 2_000),
         )
         .await?;
-    let _: String = redis::cmd("XADD")
-        .arg("{llm}:slotwake:default")
-        .arg("*")
-        .arg("t")
-        .arg(a.token())
-        .arg("i")
-        .arg(0)
-        .query_async(&mut conn)
-        .await?;
+    plant_hand_off(&mut conn, "*", a.token()).await?;
     // A reads it at once (its driver blocks on the stream) and must refuse it; it keeps
     // waiting behind c through more than one of its own tries.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
@@ -996,15 +988,7 @@ async fn a_hand_off_nobody_here_wants_leaves_a_live_lease_alone() -> anyhow::Res
         wait_queued_in(&conn, "q", a.token()).await,
         "A queued for q"
     );
-    let _: String = redis::cmd("XADD")
-        .arg("{llm}:slotwake:default")
-        .arg("*")
-        .arg("t")
-        .arg(a.token())
-        .arg("i")
-        .arg(0)
-        .query_async(&mut conn)
-        .await?;
+    plant_hand_off(&mut conn, "*", a.token()).await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         !mine.is_lost(),
@@ -1039,15 +1023,7 @@ async fn a_hand_off_stream_restarted_below_the_mark_is_read_again() -> anyhow::R
     let aa = a.clone();
     let wa = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(20)).await });
     assert!(wait_queued(&conn, a.token()).await, "A queued");
-    let _: String = redis::cmd("XADD")
-        .arg("{llm}:slotwake:default")
-        .arg("99999999999999-0")
-        .arg("t")
-        .arg("nobody")
-        .arg("i")
-        .arg(0)
-        .query_async(&mut conn)
-        .await?;
+    plant_hand_off(&mut conn, "99999999999999-0", "nobody").await?;
     tokio::time::sleep(Duration::from_millis(300)).await; // A's driver reads it
     let _: () = conn.del("{llm}:slotwake:default").await?;
     // Cut the driver's connection (the one blocked in XREAD), as a restart would.
@@ -1151,6 +1127,21 @@ async fn an_unreadable_stream_of_another_pool_does_not_stop_hand_offs() -> anyho
     drop(got);
     let _: () = conn.del("{llm}:slotwake:q").await?;
     finish(&[&a, &b], &cancel).await
+}
+
+/// Appends a hand-off of the default pool's slot 0 to `to` (entry id `id`, `*` = now) to
+/// the pool's hand-off stream, as a release would.
+async fn plant_hand_off(conn: &mut Conn, id: &str, to: &str) -> anyhow::Result<()> {
+    let _: String = redis::cmd("XADD")
+        .arg("{llm}:slotwake:default")
+        .arg(id)
+        .arg("t")
+        .arg(to)
+        .arg("i")
+        .arg(0)
+        .query_async(conn)
+        .await?;
+    Ok(())
 }
 
 /// Cuts the connection of the client whose `CLIENT LIST` line contains `what`.
