@@ -7,7 +7,8 @@
 //! - prompt tokens <= the bytes of the JSON request body: every token of the byte-level
 //!   BPE tokenizers these APIs use covers at least one byte of text, and the JSON
 //!   syntax around each message (`{"role":"user","content":""}`, 29 bytes) exceeds the
-//!   few tokens of chat formatting a provider adds per message;
+//!   few tokens of chat formatting a provider adds per message; plus, for every media
+//!   part (an image is billed by its size, not its URL), [`MEDIA_PART_TOKEN_BOUND`];
 //! - output tokens <= the larger of the job's `max_tokens` and `max_completion_tokens`
 //!   (providers honour one or the other), else the model's `max_output_tokens`, else its
 //!   whole `context_window`, times the completions asked for (`n`, `best_of`);
@@ -43,9 +44,32 @@ pub enum QuotaError {
     },
 }
 
-/// Upper bound of the prompt tokens of `body` (see the module doc).
+/// Tokens one media part (an image, an audio clip, a file) can be billed at most, whatever
+/// its bytes: providers bill an image by its size, not by its URL or base64 text.
+/// OpenAI's patch-based models bill up to about 3,800 tokens for one image (1,536 patches
+/// times 2.46), Gemini up to 16 tiles of 258 (4,128), Claude about 1,600; 6,000 covers
+/// them all. (Audio is billed by its length, which its inline bytes already bound; the
+/// part is counted all the same.)
+pub const MEDIA_PART_TOKEN_BOUND: u64 = 6_000;
+
+/// Upper bound of the prompt tokens of `body` (see the module doc): its bytes, plus
+/// [`MEDIA_PART_TOKEN_BOUND`] for every media part of its messages.
 pub fn prompt_token_bound(body: &Map<String, Value>) -> u64 {
-    serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64)
+    let bytes = serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64);
+    bytes.saturating_add(media_parts(body).saturating_mul(MEDIA_PART_TOKEN_BOUND))
+}
+
+/// How many content parts of `body`'s messages are not text (images, audio, files).
+fn media_parts(body: &Map<String, Value>) -> u64 {
+    let Some(Value::Array(messages)) = body.get("messages") else {
+        return 0;
+    };
+    messages
+        .iter()
+        .filter_map(|m| m.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|p| p.get("text").and_then(Value::as_str).is_none())
+        .count() as u64
 }
 
 /// Upper bound of the output tokens of one call of `model` for `body`.
@@ -211,6 +235,29 @@ none = []
             9,
             "the larger cap: providers honour either"
         );
+    }
+
+    /// A provider bills an image by its size, not by the bytes of its URL: a short http
+    /// URL (or a tiny inline image) costs far more tokens than its bytes. Each media part
+    /// adds its own bound, so the worst case still bounds what the call can cost.
+    #[test]
+    fn worst_case_counts_every_media_part_at_its_bound() {
+        let c = cfg();
+        let b = body(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"https://example.com/a.png"}},{"type":"input_audio","input_audio":{"data":"UklGR","format":"wav"}}]}],"max_tokens":5}"#,
+        );
+        let bytes = serde_json::to_vec(&b).unwrap().len() as u64;
+        assert_eq!(prompt_token_bound(&b), bytes + 2 * MEDIA_PART_TOKEN_BOUND);
+        // Parts in older messages count too; text parts and plain strings add nothing.
+        let b = body(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/gif;base64,R0lGODlhAQABAAAAACw="}}]},{"role":"assistant","content":"a gif"},{"role":"user","content":[{"type":"text","text":"again"}]}]}"#,
+        );
+        let bytes = serde_json::to_vec(&b).unwrap().len() as u64;
+        assert_eq!(prompt_token_bound(&b), bytes + MEDIA_PART_TOKEN_BOUND);
+        let w = worst_case(&b, &c.models["cheap"]).unwrap();
+        let want = Decimal::from(bytes + MEDIA_PART_TOKEN_BOUND) / Decimal::from(1_000_000)
+            + Decimal::new(200, 6);
+        assert_eq!(w, want);
     }
 
     #[test]
