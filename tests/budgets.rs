@@ -594,3 +594,67 @@ async fn three_workers_never_exceed_a_models_rpm_together() {
         stop_clean(w, T).await;
     }
 }
+
+/// Review finding (issue 10, tests first): a worker SIGKILLed mid-call of a job with
+/// `max_cost_usd` left no trace of that call, so the worker that took the job over
+/// started from zero and called again: the job could cost up to twice its cap. Each
+/// call's worst case is now recorded in Redis before it starts (`{ns}:capspent:<entry>`),
+/// and a delivery of a taken-over entry starts from it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_taken_over_from_a_killed_worker_keeps_its_cap() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 20_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let pl = |cap: &str| {
+        format!(
+            r#"{{"id":"k1","messages":[{{"role":"user","content":"hi"}}],"max_tokens":16,"max_cost_usd":"{cap}"}}"#
+        )
+    };
+    // Room for one call of m1 at its worst case, not two (and none of m2 or m3).
+    let worst = worst_of(&tc.parsed(), &pl("0.000000000000"), "m1");
+    let cap = format!("{:.12}", worst * Decimal::new(15, 1));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[pl(&cap)]).await;
+    let w1 = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&sim, 1, T).await,
+        "the first call is on the wire\n{}",
+        w1.log()
+    );
+    w1.signal("KILL");
+    let env = [
+        ("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "500"),
+        ("LLM_WORKER__PROVIDERS__P1__TIMEOUT_MS", "500"),
+        ("LLM_WORKER__PROVIDERS__P2__TIMEOUT_MS", "500"),
+    ];
+    let mut w2 = WorkerProc::spawn(&cfg, "w2", &env);
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w2]).expect("1 result");
+    let results = entries(&mut conn, "{llm}:results").await;
+    stop_clean(&mut w2, T).await;
+    let r = &results[0].1;
+    // Counted as each call arrives (a call cut off by a kill or a timeout never ends).
+    let n = sim
+        .sim
+        .stats()
+        .calls_per_job
+        .get("k1")
+        .copied()
+        .unwrap_or(0);
+    eprintln!("cap {cap} = 1.5 x worst {worst}; calls {n}; result {r:?}");
+    assert_eq!(
+        n,
+        1,
+        "the killed delivery's call counts against the cap: no second call\n{}",
+        w2.log()
+    );
+    assert_eq!(r["status"], "failed", "{r:?}");
+    assert!(r["error"].starts_with("budget:"), "{r:?}");
+    let left: Vec<String> = conn.keys("{llm}:capspent:*").await.unwrap();
+    assert!(left.is_empty(), "the record goes with the result: {left:?}");
+}

@@ -99,6 +99,11 @@ pub fn marker_status(marker: &str) -> &str {
     marker.rsplit_once('|').map_or("ok", |(_, s)| s)
 }
 
+/// How long a job entry's record of what its deliveries spent against its `max_cost_usd`
+/// is kept ([`Keys::cap_spent`]); it is dropped at the entry's result, so this only
+/// bounds what a worker that died after its commit leaves behind.
+pub const CAP_SPENT_TTL: std::time::Duration = std::time::Duration::from_secs(86_400);
+
 /// Every Redis key name in one place.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -138,6 +143,13 @@ impl Keys {
     /// extended while the job runs).
     pub fn inflight(&self, job_id: &str) -> String {
         format!("{}:inflight:{job_id}", self.prefix)
+    }
+    /// What the deliveries of one job entry with a `max_cost_usd` have spent, in
+    /// pico-dollars: each call adds its worst case before it starts and corrects it to
+    /// its real cost after it, so a delivery that takes over from a killed one counts the
+    /// calls it cannot know of (see `Queue::cap_spent_add`).
+    pub fn cap_spent(&self, entry_id: &str) -> String {
+        format!("{}:capspent:{entry_id}", self.prefix)
     }
     /// Tombstone of a handed-back job entry, value = the new entry id: a late commit of
     /// the old entry is superseded (`lua/commit.lua`), so a job never gets two results.
@@ -786,6 +798,49 @@ impl Queue {
             .query_async(&mut conn)
             .await?;
         Ok(p.first().is_some_and(|(_, c, _, _)| *c == self.consumer))
+    }
+
+    /// Adds `picos` (negative: a correction) to what entry `entry_id`'s deliveries have
+    /// spent against its `max_cost_usd` ([`Keys::cap_spent`]), and keeps the record for
+    /// [`CAP_SPENT_TTL`]. Atomic (MULTI), so the record never lacks its expiry.
+    pub async fn cap_spent_add(&self, entry_id: &str, picos: i64) -> Result<(), QueueError> {
+        let key = self.keys.cap_spent(entry_id);
+        let mut conn = self.conn.get().await?;
+        redis::pipe()
+            .atomic()
+            .cmd("INCRBY")
+            .arg(&key)
+            .arg(picos)
+            .ignore()
+            .cmd("PEXPIRE")
+            .arg(&key)
+            .arg(CAP_SPENT_TTL.as_millis() as u64)
+            .ignore()
+            .query_async::<()>(&mut conn)
+            .await?;
+        Ok(())
+    }
+
+    /// What earlier deliveries of `entry_id` recorded ([`Queue::cap_spent_add`]), in
+    /// pico-dollars; 0 when none did.
+    pub async fn cap_spent_get(&self, entry_id: &str) -> Result<i64, QueueError> {
+        let mut conn = self.conn.get().await?;
+        let v: Option<i64> = redis::cmd("GET")
+            .arg(self.keys.cap_spent(entry_id))
+            .query_async(&mut conn)
+            .await?;
+        Ok(v.unwrap_or(0).max(0))
+    }
+
+    /// Drops the record of [`Queue::cap_spent_add`] once the entry has its result (or was
+    /// handed on as a new entry, which carries its bill itself).
+    pub async fn cap_spent_drop(&self, entry_id: &str) -> Result<(), QueueError> {
+        let mut conn = self.conn.get().await?;
+        redis::cmd("DEL")
+            .arg(self.keys.cap_spent(entry_id))
+            .query_async::<()>(&mut conn)
+            .await?;
+        Ok(())
     }
 
     /// One result entry's fields, if it is still in the results stream.

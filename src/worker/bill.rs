@@ -102,6 +102,12 @@ pub(super) struct Spent {
     /// usage, a call cut off after it was sent): counted against the job's
     /// `max_cost_usd`, not billed.
     pub(super) unknown_worst: Decimal,
+    /// What earlier deliveries of this entry recorded against its `max_cost_usd` and this
+    /// one cannot know otherwise (a worker killed mid-call: its call at its worst case).
+    pub(super) earlier_deliveries: Decimal,
+    /// The entry has a cap record (`{ns}:capspent:<entry>`: this delivery wrote one, or
+    /// found one), to drop once the entry has its result.
+    pub(super) cap_recorded: bool,
     /// Messages left out of the last call to fit its model's window.
     pub(super) trimmed_messages: Option<u64>,
     /// The entry was parked under its tenant's cap (moved and acknowledged by the
@@ -117,7 +123,10 @@ pub(super) struct Spent {
 impl Spent {
     /// What the job's cost cap counts: billed plus the worst cases of unknown costs.
     pub(super) fn counted(&self) -> Decimal {
-        self.bill.cost.saturating_add(self.unknown_worst)
+        self.bill
+            .cost
+            .saturating_add(self.unknown_worst)
+            .saturating_add(self.earlier_deliveries)
     }
 }
 
@@ -131,6 +140,10 @@ struct Carried {
     /// The raw usage objects of the billed attempts so far.
     #[serde(default)]
     usage: Vec<serde_json::Value>,
+    /// What the job's cost cap counts beyond the bill: worst cases of calls whose cost is
+    /// unknown, and what earlier deliveries recorded (absent in older workers' values).
+    #[serde(default)]
+    unknown_usd: Decimal,
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -157,13 +170,14 @@ impl Spent {
         };
         // A hand-edited value could be absurd; a cost outside [0, 1e9] USD is not ours.
         let plausible = |d: &Decimal| *d >= Decimal::ZERO && *d <= Decimal::from(1_000_000_000u64);
-        if !c.models.values().all(|m| plausible(&m.cost_usd)) {
+        if !c.models.values().all(|m| plausible(&m.cost_usd)) || !plausible(&c.unknown_usd) {
             tracing::warn!(entry = %entry, "implausible cost in the _billed field of a handed-back job; its earlier spending is not counted");
             return s;
         }
         s.attempts = c.attempts;
         s.tried = c.tried;
         s.bill.raw_usage = c.usage;
+        s.unknown_worst = c.unknown_usd;
         for (model, m) in c.models {
             let usage = Usage {
                 prompt_tokens: m.input_tokens,
@@ -202,6 +216,7 @@ impl Spent {
                 })
                 .collect(),
             usage: self.bill.raw_usage.clone(),
+            unknown_usd: self.unknown_worst.saturating_add(self.earlier_deliveries),
         };
         serde_json::to_vec(&c).ok()
     }
@@ -245,7 +260,16 @@ mod tests {
             .push(serde_json::json!({"prompt_tokens": 7, "x": [1]}));
         s.start_call("m1");
         s.start_call("m2");
+        // A call of unknown cost, and what an earlier (killed) delivery recorded: the cap of
+        // the next delivery counts both.
+        s.unknown_worst = Decimal::new(21_140, 9);
+        s.earlier_deliveries = Decimal::new(5, 6);
         let back = Spent::carried(s.carry().as_deref(), "1-0");
+        assert_eq!(
+            back.counted(),
+            s.counted(),
+            "the cap counts the same after a hand-back"
+        );
         assert_eq!(
             back.bill.raw_usage, s.bill.raw_usage,
             "raw usage travels too"
@@ -258,5 +282,8 @@ mod tests {
         assert_eq!(back.bill.cost_fields(), s.bill.cost_fields());
         assert!(Spent::default().carry().is_none());
         assert_eq!(Spent::carried(Some(b"nope"), "1-0").attempts, 0);
+        // A value written by an older worker has no `unknown_usd`: nothing more counted.
+        let old = br#"{"attempts":1,"tried":["m1"],"models":{}}"#;
+        assert_eq!(Spent::carried(Some(old), "1-0").counted(), Decimal::ZERO);
     }
 }

@@ -54,7 +54,13 @@ impl Worker {
             }
         }
         match commit {
-            Some(commit) => Box::pin(self.commit_until_written(&d, &commit, &abort)).await,
+            Some(commit) => {
+                let settled = Box::pin(self.commit_until_written(&d, &commit, &abort)).await;
+                if settled && lock(&spent).cap_recorded {
+                    self.drop_cap_spent(&d.entry_id);
+                }
+                settled
+            }
             // Moved to its tenant's parked stream and acknowledged: never pending again.
             None if lock(&spent).parked => true,
             None if self.draining.is_cancelled() => {
@@ -378,6 +384,22 @@ impl Worker {
                 .collect(),
             None => vec![],
         };
+        // A delivery of an entry taken over from another worker starts from what earlier
+        // deliveries recorded against the cap: a worker killed mid-call left that call's
+        // worst case there ([`Queue::cap_spent_add`]); else the job could spend its cap
+        // once per delivery.
+        if job.max_cost_usd.is_some() && (d.deliveries > 1 || d.reclaimed) {
+            let earlier = self.cap_spent_before(&d.entry_id).await?;
+            if earlier > rust_decimal::Decimal::ZERO {
+                let mut s = lock(spent);
+                s.earlier_deliveries = earlier;
+                s.cap_recorded = true; // dropped with the result
+                s.bill.warnings.push(format!(
+                    "an earlier delivery of this job stopped during or after a model call without a result (its worker died): up to {} USD it may have been billed is counted against max_cost_usd, and is not in this result's cost",
+                    crate::cost::format_usd(earlier)
+                ));
+            }
+        }
         let mut plan = Plan::new(candidates, self.policy);
         // A job without a producer id has no marker that would stop a second paid call:
         // delivered again, it checks once, right before its first call, that its entry is
@@ -557,6 +579,26 @@ impl Worker {
                     }
                 };
                 limited_since = None;
+                // A capped job records the call's worst case before it starts, so a worker
+                // that takes the job over after this one dies counts it.
+                let cap_worst = match job.max_cost_usd {
+                    Some(_) => worst
+                        .get(plan.current_index())
+                        .and_then(|w| w.as_ref().ok())
+                        .copied(),
+                    None => None,
+                };
+                if let Some(w) = cap_worst {
+                    if !self.record_cap_spent(&d.entry_id, w).await {
+                        if let Some(t) = ticket {
+                            self.settle_detached(t, Some(rust_decimal::Decimal::ZERO), Some(0));
+                        }
+                        release_unused(lease).await;
+                        return None;
+                    }
+                    lock(spent).cap_recorded = true;
+                }
+                let counted_before = lock(spent).counted();
                 lock(spent).start_call(&cand.model);
                 plan.record_attempt();
                 let Some(client) = self.providers.get(&cand.provider) else {
@@ -618,6 +660,13 @@ impl Worker {
                     if outcome.usage.is_none() && outcome.result.is_ok() {
                         s.bill.usage_missing(&cand.model);
                     }
+                }
+                if let Some(w) = cap_worst {
+                    // The record now says what the call cost (its worst case stays when the
+                    // cost is unknown); a correction lost leaves the worst case: too much,
+                    // never too little.
+                    let counted = lock(spent).counted().saturating_sub(counted_before);
+                    self.correct_cap_spent(&d.entry_id, counted, w);
                 }
                 // Never awaited here: nothing (a slow Redis, `abort`) may stand between a paid
                 // answer and its commit.
@@ -835,31 +884,122 @@ impl Worker {
     /// retried while Redis does not answer. `false` (log at info, nothing committed): it
     /// was committed or taken over meanwhile, or draining began.
     pub(super) async fn still_ours(&self, entry_id: &str) -> bool {
+        let what = "check that a redelivered job is still ours";
+        match self
+            .until_answered(entry_id, what, || self.queue.still_ours(entry_id))
+            .await
+        {
+            Some(Ok(true)) => true,
+            Some(Ok(false)) => {
+                tracing::info!(entry = %entry_id, "redelivered job is no longer pending under this worker (committed or taken over meanwhile); not calling a model for it");
+                metrics::counter!("llm_worker_redeliveries_dropped_total").increment(1);
+                false
+            }
+            Some(Err(e)) => {
+                // Cannot tell; the commit still keeps it to one result.
+                tracing::warn!(entry = %entry_id, error = %e, "cannot check that a redelivered job is still ours; running it");
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// `op` until Redis answers: `Some(Ok)` with its answer, `Some(Err)` with an error
+    /// that repeats until someone acts (not retried), `None` once draining began. One
+    /// warning (`cannot {what}`) when the first try fails.
+    async fn until_answered<T, F, Fut>(
+        &self,
+        entry_id: &str,
+        what: &str,
+        mut op: F,
+    ) -> Option<Result<T, crate::queue::QueueError>>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, crate::queue::QueueError>>,
+    {
         let mut backoff = Backoff::redis();
         loop {
-            match self.queue.still_ours(entry_id).await {
-                Ok(true) => return true,
-                Ok(false) => {
-                    tracing::info!(entry = %entry_id, "redelivered job is no longer pending under this worker (committed or taken over meanwhile); not calling a model for it");
-                    metrics::counter!("llm_worker_redeliveries_dropped_total").increment(1);
-                    return false;
-                }
-                Err(e) if !e.heals() => {
-                    // Cannot tell; the commit still keeps it to one result.
-                    tracing::warn!(entry = %entry_id, error = %e, "cannot check that a redelivered job is still ours; running it");
-                    return true;
-                }
+            match op().await {
+                Ok(v) => return Some(Ok(v)),
+                Err(e) if !e.heals() => return Some(Err(e)),
                 Err(e) => {
                     if backoff.failures() == 0 {
-                        tracing::warn!(entry = %entry_id, error = %e, "cannot check that a redelivered job is still ours; retrying until Redis answers");
+                        tracing::warn!(entry = %entry_id, error = %e, "cannot {what}; retrying until Redis answers");
                     }
                     backoff.sleep(&self.draining).await;
                     if self.draining.is_cancelled() {
-                        return false;
+                        return None;
                     }
                 }
             }
         }
+    }
+
+    /// What earlier deliveries of `entry_id` recorded against its cost cap. Retries while
+    /// Redis does not answer (`None`: draining began); a record that cannot be read (a
+    /// key of another type) is logged and counted as nothing.
+    async fn cap_spent_before(&self, entry_id: &str) -> Option<rust_decimal::Decimal> {
+        let what = "read what earlier deliveries of this job spent against its max_cost_usd";
+        match self
+            .until_answered(entry_id, what, || self.queue.cap_spent_get(entry_id))
+            .await?
+        {
+            Ok(picos) => Some(crate::cost::from_picos(picos)),
+            Err(e) => {
+                tracing::warn!(entry = %entry_id, error = %e, "cannot {what}; counting nothing");
+                Some(rust_decimal::Decimal::ZERO)
+            }
+        }
+    }
+
+    /// Adds a call's worst case to its entry's cap record before the call. Retries while
+    /// Redis does not answer: no capped call starts unrecorded. `false`: draining began.
+    async fn record_cap_spent(&self, entry_id: &str, worst: rust_decimal::Decimal) -> bool {
+        let picos = picos_up(worst);
+        let what = "record the call against the job's max_cost_usd";
+        match self
+            .until_answered(entry_id, what, || self.queue.cap_spent_add(entry_id, picos))
+            .await
+        {
+            Some(Ok(())) => true,
+            Some(Err(e)) => {
+                tracing::warn!(entry = %entry_id, error = %e, "cannot {what}; a worker taking the job over will not count it");
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Corrects a call's cap record from its worst case to `counted` (what the cap counts
+    /// for it), in a task of its own, bounded: a correction lost leaves the worst case.
+    fn correct_cap_spent(
+        &self,
+        entry_id: &str,
+        counted: rust_decimal::Decimal,
+        worst: rust_decimal::Decimal,
+    ) {
+        let delta = picos_up(counted).saturating_sub(picos_up(worst));
+        if delta == 0 {
+            return;
+        }
+        let queue = self.queue.clone();
+        let entry = entry_id.to_string();
+        self.releases.spawn(async move {
+            let fix = queue.cap_spent_add(&entry, delta);
+            if !matches!(tokio::time::timeout(RELEASE_BOUND, fix).await, Ok(Ok(()))) {
+                tracing::debug!(entry = %entry, "cap record not corrected; it keeps the call's worst case");
+            }
+        });
+    }
+
+    /// Drops the cap record of an entry that has its result, in a task of its own (its
+    /// ttl removes it otherwise).
+    pub(super) fn drop_cap_spent(&self, entry_id: &str) {
+        let queue = self.queue.clone();
+        let entry = entry_id.to_string();
+        self.releases.spawn(async move {
+            let _ = tokio::time::timeout(RELEASE_BOUND, queue.cap_spent_drop(&entry)).await;
+        });
     }
 
     /// `fut`'s output, or `None` as soon as draining begins (the wait is dropped).
@@ -931,6 +1071,12 @@ impl Worker {
             }
         });
     }
+}
+
+/// `usd` in pico-dollars, rounded up (a cap record may count too much, never too little).
+fn picos_up(usd: rust_decimal::Decimal) -> i64 {
+    let up = usd.round_dp_with_strategy(12, rust_decimal::RoundingStrategy::AwayFromZero);
+    crate::cost::to_picos(up).unwrap_or(i64::MAX)
 }
 
 /// Excludes every candidate whose worst case no longer fits `cap` after `spent`, and
