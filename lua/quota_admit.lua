@@ -28,9 +28,10 @@
 -- calls overshoot a budget only by what providers bill beyond the worst cases reserved,
 -- never by a race. A rate amount above the whole limit is admitted alone into an empty
 -- window (else a large call could never run).
--- Returns {1, second}: reserved and admitted (also a retry after a lost reply whose
---         reservation is still live, or whose admission record is there); `second` = the
---         rate bucket it was admitted in;
+-- Returns {1, second, ms}: reserved and admitted; `second` = the rate bucket it was
+--         admitted in, `ms` = the server's milliseconds into that second; {1, second}
+--         (no ms): a retry after a lost reply whose reservation is still live, or whose
+--         admission record is there;
 --         {0, 1, i, left picos}: budget window i (from 1) has only `left`; nothing done;
 --         {0, 2, i, ms}: rate window i (from 1) has no room; in ms its oldest bucket
 --         leaves the window; nothing done.
@@ -187,4 +188,6 @@ if adm then
   end
   redis.call('SET', adm, sec .. '|' .. string.format('%d', amount), 'PX', adm_ttl)
 end
-return {1, sec}
+-- the third value: the server's milliseconds into `sec`, so a worker drawing on a block
+-- of room (see src/ratelimit.rs) knows when that second ends
+return {1, sec, now - sec * 1000}

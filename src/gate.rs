@@ -27,8 +27,10 @@ from_cause!(GateError, GateError::Pool, deadpool_redis::PoolError);
 /// What [`Gate::admit`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
-    /// Reserved and admitted; the rate bucket is the server's unix `second`.
-    Admitted { second: i64 },
+    /// Reserved and admitted; the rate bucket is the server's unix `second`, `ms` the
+    /// server's milliseconds into it when it was admitted (`None`: a retry found the
+    /// admission made already, at an unknown time of that second).
+    Admitted { second: i64, ms: Option<i64> },
     /// Budget window `i` (from 0) has only `left` pico-dollars: nothing done.
     Budget { i: usize, left: i64 },
     /// Rate limit `i` (from 0) has no room for `wait`: nothing done.
@@ -81,7 +83,10 @@ impl Gate {
         let reply: Vec<i64> = inv.invoke(&mut conn).await?;
         let at = |n: usize| reply.get(n).copied().unwrap_or(0);
         Ok(match (at(0), at(1)) {
-            (1, second) => Answer::Admitted { second },
+            (1, second) => Answer::Admitted {
+                second,
+                ms: reply.get(2).copied(),
+            },
             (_, 1) => Answer::Budget {
                 i: (at(2).max(1) - 1) as usize,
                 left: at(3),
@@ -93,9 +98,11 @@ impl Gate {
         })
     }
 
-    /// Settles `reservation` to `cost_picos` and corrects `admission` to `used` tokens.
-    /// `first` = no earlier try of this settle can have reached Redis (see
-    /// `lua/quota_settle.lua`). Returns how many budget windows counted the cost.
+    /// Settles `reservation` to `cost_picos` and corrects `admission` to `used` tokens
+    /// and, when given, to `used_calls` calls made (a block's calls not made go back to
+    /// its requests windows). `first` = no earlier try of this settle can have reached
+    /// Redis (see `lua/quota_settle.lua`). Returns how many budget windows counted the
+    /// cost.
     pub async fn settle(
         &self,
         reservation: Option<&Reservation>,
@@ -103,24 +110,35 @@ impl Gate {
         first: bool,
         admission: Option<&Admission>,
         used: Option<u64>,
+        used_calls: Option<u64>,
     ) -> Result<usize, GateError> {
         let mut inv = crate::scripts::Call::new(&crate::scripts::QUOTA_SETTLE);
         let nb = reservation.map_or(0, |r| r.keys.len());
-        // Only a tokens admission has anything to correct (its record goes with it).
-        let tokens_admission = admission.filter(|a| !a.token_keys.is_empty());
-        let tokens = tokens_admission.map_or(0, |a| a.tokens);
+        // Only an admission with something to correct is sent (its record goes with it):
+        // tokens, or requests admitted and not all made (a block's).
+        let unmade = |a: &Admission| used_calls.map_or(0, |c| a.requests.saturating_sub(c));
+        let admission = admission
+            .filter(|a| !a.token_keys.is_empty() || (!a.request_keys.is_empty() && unmade(a) > 0));
+        let tokens = admission.map_or(0, |a| a.tokens);
+        let unmade = admission.map_or(0, unmade);
+        let requests: &[String] = match admission {
+            Some(a) if unmade > 0 => &a.request_keys,
+            _ => &[],
+        };
         inv.arg(nb)
             .arg(reservation.map_or("", |r| r.id.as_str()))
             .arg(cost_picos)
             .arg(if first { "1" } else { "0" })
             .arg(tokens)
             .arg(used.unwrap_or(tokens))
-            .arg(if tokens_admission.is_some() { "1" } else { "0" });
+            .arg(if admission.is_some() { "1" } else { "0" })
+            .arg(requests.len())
+            .arg(-(unmade.min(i64::MAX as u64) as i64));
         for k in reservation.iter().flat_map(|r| r.keys.iter()) {
             inv.key(k);
         }
-        if let Some(a) = tokens_admission {
-            for k in &a.token_keys {
+        if let Some(a) = admission {
+            for k in a.token_keys.iter().chain(requests) {
                 inv.key(k);
             }
             inv.key(&a.adm_key);

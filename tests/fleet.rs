@@ -628,22 +628,6 @@ async fn busy_pool_sends_work_to_a_fallback_model_with_a_free_slot() -> anyhow::
     Ok(())
 }
 
-/// Calls of `cmd` Redis has run so far (INFO commandstats counts commands inside
-/// scripts too).
-async fn calls_of(conn: &mut Conn, cmd: &str) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(conn)
-        .await
-        .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
-    let key = format!("cmdstat_{cmd}:calls=");
-    info.lines()
-        .find_map(|l| l.strip_prefix(&key))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
-}
-
 /// A slot released while only this process waits for the pool is kept for its local
 /// waiter (a fresh lease, no hand-off list, no BLPOP, no pick-up), and once another
 /// process is queued ahead, the next release goes to it: keeping never jumps the queue.

@@ -46,7 +46,8 @@ impl Worker {
 pub(super) const CANCEL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl Worker {
-    /// Every [`CANCEL_POLL`], while jobs run here: one round trip (a pipeline of EXISTS)
+    /// Every [`CANCEL_POLL`]: closes the rate blocks whose second ended. While jobs run
+    /// here: one round trip (a pipeline of EXISTS)
     /// asks whether their ids have a cancel marker, and fires the stop switch of each that
     /// has. No jobs, no round trip.
     pub(super) async fn watch_cancels(self: Arc<Self>, stop: CancellationToken) {
@@ -57,6 +58,9 @@ impl Worker {
                 _ = tick.tick() => {}
                 _ = stop.cancelled() => return,
             }
+            // Rate blocks whose second ended while nothing drew on them: their corrections
+            // go now, not at the model's next call.
+            self.sweep_rate_blocks(false);
             let watched: Vec<(String, String)> = lock(&self.stops)
                 .iter()
                 .filter(|(_, (_, t))| !t.is_cancelled())

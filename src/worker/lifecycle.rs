@@ -1199,10 +1199,35 @@ enum Quota {
     Stopped,
 }
 
-/// A call's reservation (with its worst case) and admission, to settle after it.
+/// A call asking for its model's next rate block: if it ends without opening one (the
+/// script refused it, draining, a panic), the calls waiting for it are told, and one of
+/// them asks instead.
+struct FetchGuard<'a> {
+    blocks: &'a crate::ratelimit::Blocks,
+    model: &'a str,
+    opened: bool,
+}
+
+impl FetchGuard<'_> {
+    /// The block is opened by the caller ([`crate::ratelimit::Blocks::open`] ends the fetch).
+    fn opened(mut self) {
+        self.opened = true;
+    }
+}
+
+impl Drop for FetchGuard<'_> {
+    fn drop(&mut self) {
+        if !self.opened {
+            self.blocks.fetch_failed(self.model);
+        }
+    }
+}
+
+/// A call's reservation (with its worst case) and its share of a rate block, to settle
+/// after it.
 struct Ticket {
     reservation: Option<(crate::budget::Reservation, rust_decimal::Decimal)>,
-    admission: Option<crate::ratelimit::Admission>,
+    draw: Option<crate::ratelimit::Draw>,
 }
 
 impl Worker {
@@ -1239,38 +1264,113 @@ impl Worker {
                 Err(e) => return on_exhausted(e),
             }
         };
+        let tokens = if limited {
+            crate::ratelimit::token_estimate(&job.body, mc)
+        } else {
+            0
+        };
         let rate = if limited {
-            let tokens = crate::ratelimit::token_estimate(&job.body, mc);
             self.rates.ask(&id, model, tokens)
         } else {
             None
         };
-        if budget.is_none() && rate.is_none() {
-            return Quota::Yes(None);
+        // The rate limits' room drawn from this process's block for the model when it has
+        // some: then the script only reserves the budget, or does not run at all.
+        let mut draw = None;
+        // Set when this call asks for the model's next block: others wait for it.
+        let mut fetching = None;
+        if rate.is_some() {
+            loop {
+                let changed = self.rate_blocks.changed();
+                let (t, closed) = self.rate_blocks.take(model, tokens);
+                self.settle_blocks(closed);
+                match t {
+                    crate::ratelimit::Take::Drawn(d) => draw = Some(d),
+                    crate::ratelimit::Take::Fetch => {
+                        fetching = Some(FetchGuard {
+                            blocks: &self.rate_blocks,
+                            model,
+                            opened: false,
+                        })
+                    }
+                    crate::ratelimit::Take::Wait => {
+                        // Bounded: a fetch stuck on Redis is retried by its own call.
+                        tokio::select! {
+                            _ = changed => {}
+                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                            _ = self.draining.cancelled() => return Quota::Stopped,
+                        }
+                        continue;
+                    }
+                }
+                break;
+            }
         }
+        let rate = rate.filter(|_| draw.is_none());
+        if budget.is_none() && rate.is_none() {
+            return Quota::Yes(draw.map(|d| Ticket {
+                reservation: None,
+                draw: Some(d),
+            }));
+        }
+        // Else a block: room for as many calls as the last block served, twice over.
+        let mut k = rate
+            .as_ref()
+            .map_or(1, |r| self.rate_blocks.size(model, r.max_block()));
         let mut backoff = Backoff::redis();
         loop {
+            let ask = rate.as_ref().map(|r| r.block(k));
+            let sent = Instant::now();
             match self
                 .gate
-                .admit(budget.as_ref(), self.budgets.ttl_ms(), rate.as_ref())
+                .admit(budget.as_ref(), self.budgets.ttl_ms(), ask.as_ref())
                 .await
             {
-                Ok(Answer::Admitted { .. }) => {
+                Ok(Answer::Admitted { ms, .. }) => {
+                    let draw = match (draw, ask) {
+                        (Some(d), _) => Some(d),
+                        (None, Some(a)) => {
+                            // Drawn on until shortly before the server's second ends.
+                            let until = ms.and_then(|ms| {
+                                let left = Duration::from_millis(1000u64.saturating_sub(ms as u64));
+                                left.checked_sub(crate::ratelimit::BLOCK_MARGIN)
+                                    .map(|l| sent + l)
+                            });
+                            if let Some(f) = fetching.take() {
+                                f.opened();
+                            }
+                            let (d, closed) =
+                                self.rate_blocks
+                                    .open(model, k, tokens, a.admission(), until);
+                            self.settle_blocks(closed);
+                            Some(d)
+                        }
+                        (None, None) => None,
+                    };
                     return Quota::Yes(Some(Ticket {
                         reservation: budget.map(|b| {
                             let worst = b.worst();
                             (b.reservation(), worst)
                         }),
-                        admission: rate.map(|r| r.admission()),
+                        draw,
                     }));
                 }
                 Ok(Answer::Budget { i, left }) => {
+                    // The room drawn for this call goes back to its block.
+                    if let Some(d) = draw {
+                        self.settle_blocks(self.rate_blocks.undo(d));
+                    }
                     let Some(b) = &budget else {
                         return Quota::Wait(Duration::from_secs(1));
                     };
                     return on_exhausted(self.budgets.exhausted(b, i, left));
                 }
                 Ok(Answer::Rate { wait, i }) => {
+                    if k > 1 {
+                        // No room for a block: room for this call alone may remain.
+                        k = 1;
+                        continue;
+                    }
                     metrics::counter!("llm_worker_rate_limited_total", "model" => model.to_string())
                         .increment(1);
                     if let Some(r) = &rate {
@@ -1284,6 +1384,9 @@ impl Worker {
                     }
                     backoff.sleep(&self.draining).await;
                     if self.draining.is_cancelled() {
+                        if let Some(d) = draw {
+                            self.settle_blocks(self.rate_blocks.undo(d));
+                        }
                         return Quota::Stopped;
                     }
                 }
@@ -1295,12 +1398,41 @@ impl Worker {
     /// stopping worker waits for it, bounded): `real` = the call's cost, `None` = unknown
     /// (the worst case stays counted); `used` = its real tokens, if it reported usage.
     fn settle_detached(&self, t: Ticket, real: Option<rust_decimal::Decimal>, used: Option<u64>) {
+        if let Some(d) = t.draw {
+            self.settle_blocks(self.rate_blocks.settle(d, used));
+        }
+        if let Some((reservation, worst)) = t.reservation {
+            let cost = real.unwrap_or(worst);
+            let picos = crate::cost::to_picos(cost).unwrap_or(0);
+            self.spawn_settle(Some(reservation), picos, None, None, None);
+        }
+    }
+
+    /// Sends the tokens corrections of closed rate blocks (see [`crate::ratelimit::Blocks`]).
+    fn settle_blocks(&self, closed: impl IntoIterator<Item = crate::ratelimit::BlockSettle>) {
+        for b in closed {
+            self.spawn_settle(None, 0, Some(b.admission), Some(b.used), Some(b.calls));
+        }
+    }
+
+    /// Closes every rate block whose second has ended (`all`: every one, at shutdown) and
+    /// sends their corrections.
+    pub(super) fn sweep_rate_blocks(&self, all: bool) {
+        self.settle_blocks(self.rate_blocks.sweep(all));
+    }
+
+    /// One settle script (`gate::Gate::settle`) in a task of its own (tracked like slot
+    /// releases, so a stopping worker waits for it, bounded): a reservation settled to
+    /// `picos`, and/or an admission's tokens corrected to `used`.
+    fn spawn_settle(
+        &self,
+        reservation: Option<crate::budget::Reservation>,
+        picos: i64,
+        admission: Option<crate::ratelimit::Admission>,
+        used: Option<u64>,
+        calls: Option<u64>,
+    ) {
         let gate = self.gate.clone();
-        let cost = match &t.reservation {
-            Some((_, worst)) => real.unwrap_or(*worst),
-            None => rust_decimal::Decimal::ZERO,
-        };
-        let picos = crate::cost::to_picos(cost).unwrap_or(0);
         self.releases.spawn(async move {
             // Until Redis answers (a paid call must reach the budget), bounded so a
             // worker never keeps a task forever: after SETTLE_GIVE_UP the cost is lost to
@@ -1308,12 +1440,18 @@ impl Worker {
             let started = Instant::now();
             let mut first = true;
             let mut wait = Duration::from_millis(100);
-            let reservation = t.reservation.as_ref().map(|(r, _)| r);
             loop {
-                let settle = gate.settle(reservation, picos, first, t.admission.as_ref(), used);
+                let settle = gate.settle(
+                    reservation.as_ref(),
+                    picos,
+                    first,
+                    admission.as_ref(),
+                    used,
+                    calls,
+                );
                 match tokio::time::timeout(RELEASE_BOUND, settle).await {
                     Ok(Ok(settled)) => {
-                        if reservation.is_some_and(|r| settled < r.keys.len()) {
+                        if reservation.as_ref().is_some_and(|r| settled < r.keys.len()) {
                             tracing::warn!(
                                 "a budget reservation had expired before its call was settled \
                                  (the worker stalled past the reservation's ttl); that call's cost \

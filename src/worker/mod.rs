@@ -100,6 +100,8 @@ pub struct Worker {
     rates: crate::ratelimit::RateLimits,
     /// The one script each before and after a call for budgets and rate limits together.
     gate: crate::gate::Gate,
+    /// Fleet-wide rate room admitted for several calls at once, drawn on locally.
+    rate_blocks: crate::ratelimit::Blocks,
     /// Models and providers the fleet routes around for a while.
     pub cooldowns: crate::cooldown::Cooldowns,
     /// Tenant places under `pools.<p>.max_per_tenant` (admit or park before a slot).
@@ -207,6 +209,7 @@ impl Worker {
             budgets,
             rates,
             gate,
+            rate_blocks: crate::ratelimit::Blocks::default(),
             cooldowns,
             tenants,
             model_metrics: cfg_models

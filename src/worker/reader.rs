@@ -222,6 +222,8 @@ impl Worker {
                 ),
             }
         }
+        // Every job has ended: the rate blocks' corrections go with the other settles.
+        self.sweep_rate_blocks(true);
         // Detached slot releases end before the daemon's release-all (which covers any
         // still waiting past this bound).
         self.releases.close();

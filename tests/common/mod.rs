@@ -1204,3 +1204,19 @@ pub fn spawn_enqueue_wait(
         .await
     })
 }
+
+/// Calls of `cmd` Redis has run so far (INFO commandstats counts commands inside
+/// scripts too).
+pub async fn calls_of(conn: &mut redis::aio::MultiplexedConnection, cmd: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("INFO commandstats: {e}"));
+    let key = format!("cmdstat_{cmd}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
