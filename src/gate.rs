@@ -1,4 +1,5 @@
-//! The fleet-wide quotas of one call, in one round trip before it and one after it: its
+//! The fleet-wide quotas of one call, in at most one round trip before it and one after
+//! it (rate room drawn from a block, `ratelimit::Blocks`, needs none): its
 //! budget reservation ([`crate::budget`]) and its rpm / tpm admission
 //! ([`crate::ratelimit`]) are one script (`lua/quota_admit.lua`), all or nothing; its
 //! settlement (real cost, real tokens) is another (`lua/quota_settle.lua`).

@@ -524,7 +524,13 @@ async fn rate_blocks_count_every_call_and_settle_to_the_tokens_used() {
         scripts.push(calls_of(&mut conn, "evalsha").await - before);
     }
     let calls = calls_to(&sim, "m1");
-    let billed = sim.sim.stats().billed.get("m1").cloned().unwrap_or_default();
+    let billed = sim
+        .sim
+        .stats()
+        .billed
+        .get("m1")
+        .cloned()
+        .unwrap_or_default();
     let rpm: u64 = conn.hget("{llm}:rate:m:m1:rpm:w", "n").await.unwrap();
     let tpm: u64 = conn.hget("{llm}:rate:m:m1:tpm:w", "n").await.unwrap();
     let quota_per_job = (scripts[1] as f64 - scripts[0] as f64) / n as f64;
@@ -535,7 +541,10 @@ async fn rate_blocks_count_every_call_and_settle_to_the_tokens_used() {
         billed.prompt_tokens + billed.completion_tokens
     );
     assert_eq!(calls, 2 * n as u64);
-    assert_eq!(rpm, n as u64, "every call of the limited batch counted, once");
+    assert_eq!(
+        rpm, n as u64,
+        "every call of the limited batch counted, once"
+    );
     // The plain batch billed the same tokens as the limited one (same prompts): the
     // window holds exactly half of all tokens billed.
     assert_eq!(
