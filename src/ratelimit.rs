@@ -263,7 +263,7 @@ pub const BLOCK_MARGIN: Duration = Duration::from_millis(50);
 /// of its own (16 calls at once would otherwise admit 16 blocks and use one).
 #[derive(Default)]
 pub struct Blocks {
-    inner: std::sync::Mutex<BlocksInner>,
+    inner: std::sync::Arc<std::sync::Mutex<BlocksInner>>,
     changed: tokio::sync::Notify,
 }
 
@@ -288,6 +288,9 @@ struct BlocksInner {
     closing: std::collections::HashMap<u64, Block>,
     /// Models whose next block a call is asking for.
     fetching: std::collections::HashSet<String>,
+    /// Settles of blocks whose last call was dropped unsettled (a job's future dropped
+    /// between its draw and its call): sent by the next [`Blocks::sweep`].
+    ready: Vec<BlockSettle>,
     /// The size to ask for next, per model (grows while blocks are used up).
     size: std::collections::HashMap<String, u64>,
 }
@@ -311,12 +314,31 @@ struct Block {
     admission: Admission,
 }
 
-/// One call's share of a block: settle it with [`Blocks::settle`] once the call ended.
+/// One call's share of a block: settle it with [`Blocks::settle`] once the call ended,
+/// or give it back with [`Blocks::undo`]. Dropped otherwise (its job's future dropped
+/// before the call was made), it is given back by itself, and its block's settle goes
+/// with the next sweep.
 #[derive(Debug)]
 pub struct Draw {
     block: u64,
     model: String,
     tokens: u64,
+    owner: std::sync::Weak<std::sync::Mutex<BlocksInner>>,
+    ended: bool,
+}
+
+impl Drop for Draw {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        if let Some(inner) = self.owner.upgrade() {
+            let mut g = crate::sync::lock(&inner);
+            if let Some(s) = g.end(self.block, &self.model, self.tokens, Some(0), true) {
+                g.ready.push(s);
+            }
+        }
+    }
 }
 
 /// A closed block's correction, for `gate::Gate::settle`: its admission (tokens = what
@@ -380,6 +402,8 @@ impl Blocks {
                     block: b.id,
                     model: model.to_string(),
                     tokens,
+                    owner: std::sync::Arc::downgrade(&self.inner),
+                    ended: false,
                 };
                 if b.calls_left == 0 {
                     g.close(model, &mut out);
@@ -453,6 +477,8 @@ impl Blocks {
                 block: id,
                 model: model.to_string(),
                 tokens,
+                owner: std::sync::Arc::downgrade(&self.inner),
+                ended: false,
             },
             out,
         )
@@ -469,25 +495,9 @@ impl Blocks {
         self.end(d, Some(0), true)
     }
 
-    fn end(&self, d: Draw, used: Option<u64>, undone: bool) -> Option<BlockSettle> {
-        let mut g = crate::sync::lock(&self.inner);
-        let delta = used.map_or(0, |u| u as i64 - d.tokens as i64);
-        let undone = u64::from(undone);
-        if let Some(b) = g.open.get_mut(&d.model).filter(|b| b.id == d.block) {
-            b.outstanding = b.outstanding.saturating_sub(1);
-            b.delta += delta;
-            b.undone += undone;
-            return None;
-        }
-        let b = g.closing.get_mut(&d.block)?;
-        b.outstanding = b.outstanding.saturating_sub(1);
-        b.delta += delta;
-        b.undone += undone;
-        if b.outstanding > 0 {
-            return None;
-        }
-        let b = g.closing.remove(&d.block)?;
-        Some(b.settled())
+    fn end(&self, mut d: Draw, used: Option<u64>, undone: bool) -> Option<BlockSettle> {
+        d.ended = true;
+        crate::sync::lock(&self.inner).end(d.block, &d.model, d.tokens, used, undone)
     }
 
     /// Closes every block whose second has ended (`all`: every block, at shutdown) and
@@ -501,7 +511,7 @@ impl Blocks {
             .filter(|(_, b)| all || b.usable_until <= now)
             .map(|(m, _)| m.clone())
             .collect();
-        let mut out = vec![];
+        let mut out = std::mem::take(&mut g.ready);
         for m in models {
             g.close(&m, &mut out);
         }
@@ -510,6 +520,35 @@ impl Blocks {
 }
 
 impl BlocksInner {
+    /// One drawn call ended (see [`Blocks::settle`]); the block's settle if it was the
+    /// last call of a closed block.
+    fn end(
+        &mut self,
+        block: u64,
+        model: &str,
+        tokens: u64,
+        used: Option<u64>,
+        undone: bool,
+    ) -> Option<BlockSettle> {
+        let delta = used.map_or(0, |u| u as i64 - tokens as i64);
+        let undone = u64::from(undone);
+        if let Some(b) = self.open.get_mut(model).filter(|b| b.id == block) {
+            b.outstanding = b.outstanding.saturating_sub(1);
+            b.delta += delta;
+            b.undone += undone;
+            return None;
+        }
+        let b = self.closing.get_mut(&block)?;
+        b.outstanding = b.outstanding.saturating_sub(1);
+        b.delta += delta;
+        b.undone += undone;
+        if b.outstanding > 0 {
+            return None;
+        }
+        let b = self.closing.remove(&block)?;
+        Some(b.settled())
+    }
+
     /// Moves `model`'s open block to the closing ones (or settles it now when none of its
     /// calls is still running), and sizes the next block by how much of this one was used.
     fn close(&mut self, model: &str, out: &mut Vec<BlockSettle>) {
@@ -589,6 +628,34 @@ mod block_tests {
         assert_eq!(settles[0].calls, 4);
         assert_eq!(b.size("m", 32), 8, "used up: twice as large next time");
         assert_eq!(b.size("m", 3), 3, "never above the limits' own bound");
+    }
+
+    /// A draw dropped unsettled (its job's future dropped before the call) gives its room
+    /// back, and its block's settle goes with the next sweep, not never.
+    #[test]
+    fn a_draw_dropped_unsettled_is_given_back_at_the_next_sweep() {
+        let b = Blocks::default();
+        let (first, _) = b.open("m", 4, 10, adm(40), later(10_000));
+        let (second, _) = b.draw("m", 10);
+        assert!(b.settle(first, Some(7)).is_none());
+        drop(second);
+        let s = b.sweep(true);
+        assert_eq!(s.len(), 1, "{s:?}");
+        assert_eq!(
+            (s[0].used, s[0].calls),
+            (7, 1),
+            "the dropped call made nothing"
+        );
+        assert!(b.sweep(true).is_empty(), "sent once");
+        // The same on a block already closed (used up), waiting for its calls.
+        let (first, _) = b.open("m", 2, 10, adm(20), later(10_000));
+        let (second, closed) = b.draw("m", 10);
+        assert!(closed.is_empty(), "closed, but its calls run");
+        assert!(b.settle(first, Some(12)).is_none());
+        drop(second);
+        let s = b.sweep(false);
+        assert_eq!(s.len(), 1, "{s:?}");
+        assert_eq!((s[0].used, s[0].calls), (12, 1));
     }
 
     /// One call asks for a model's block at a time; the others wait for it and then draw.

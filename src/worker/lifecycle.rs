@@ -591,7 +591,7 @@ impl Worker {
                 if let Some(w) = cap_worst {
                     if !self.record_cap_spent(&d.entry_id, w).await {
                         if let Some(t) = ticket {
-                            self.settle_detached(t, Some(rust_decimal::Decimal::ZERO), Some(0));
+                            self.unused_ticket(t);
                         }
                         release_unused(lease).await;
                         return None;
@@ -1405,6 +1405,17 @@ impl Worker {
             let cost = real.unwrap_or(worst);
             let picos = crate::cost::to_picos(cost).unwrap_or(0);
             self.spawn_settle(Some(reservation), picos, None, None, None);
+        }
+    }
+
+    /// Gives back a ticket whose call was never made: its budget reservation settled at
+    /// nothing, its share of a rate block returned to the block.
+    fn unused_ticket(&self, t: Ticket) {
+        if let Some(d) = t.draw {
+            self.settle_blocks(self.rate_blocks.undo(d));
+        }
+        if let Some((reservation, _)) = t.reservation {
+            self.spawn_settle(Some(reservation), 0, None, None, None);
         }
     }
 
