@@ -526,9 +526,34 @@ impl Worker {
                         break Finished::Failed(why);
                     }
                 };
+                // A capped job records the call's worst case before it starts, so a worker
+                // that takes the job over after this one dies counts it. Before the quotas:
+                // the call goes out right after its rate room was counted, never a Redis
+                // outage later, in another second.
+                let cap_worst = match job.max_cost_usd {
+                    Some(_) => worst
+                        .get(plan.current_index())
+                        .and_then(|w| w.as_ref().ok())
+                        .copied(),
+                    None => None,
+                };
+                if let Some(w) = cap_worst {
+                    if !self.record_cap_spent(&d.entry_id, w).await {
+                        release_unused(lease).await;
+                        return None;
+                    }
+                    lock(spent).cap_recorded = true;
+                }
                 // The budgets and the fleet-wide rate limits, in one round trip, all or
                 // nothing (a call held back by a rate limit reserves no budget).
-                let ticket = match self.admit_quota(&job, &cand.model).await {
+                let quota = self.admit_quota(&job, &cand.model).await;
+                if let Some(w) = cap_worst
+                    && !matches!(quota, Quota::Yes(_))
+                {
+                    // No call this time: the record goes back.
+                    self.correct_cap_spent(&d.entry_id, rust_decimal::Decimal::ZERO, w);
+                }
+                let ticket = match quota {
                     Quota::Yes(t) => t,
                     Quota::Stopped => {
                         release_unused(lease).await;
@@ -579,25 +604,6 @@ impl Worker {
                     }
                 };
                 limited_since = None;
-                // A capped job records the call's worst case before it starts, so a worker
-                // that takes the job over after this one dies counts it.
-                let cap_worst = match job.max_cost_usd {
-                    Some(_) => worst
-                        .get(plan.current_index())
-                        .and_then(|w| w.as_ref().ok())
-                        .copied(),
-                    None => None,
-                };
-                if let Some(w) = cap_worst {
-                    if !self.record_cap_spent(&d.entry_id, w).await {
-                        if let Some(t) = ticket {
-                            self.unused_ticket(t);
-                        }
-                        release_unused(lease).await;
-                        return None;
-                    }
-                    lock(spent).cap_recorded = true;
-                }
                 let counted_before = lock(spent).counted();
                 lock(spent).start_call(&cand.model);
                 plan.record_attempt();
@@ -1405,17 +1411,6 @@ impl Worker {
             let cost = real.unwrap_or(worst);
             let picos = crate::cost::to_picos(cost).unwrap_or(0);
             self.spawn_settle(Some(reservation), picos, None, None, None);
-        }
-    }
-
-    /// Gives back a ticket whose call was never made: its budget reservation settled at
-    /// nothing, its share of a rate block returned to the block.
-    fn unused_ticket(&self, t: Ticket) {
-        if let Some(d) = t.draw {
-            self.settle_blocks(self.rate_blocks.undo(d));
-        }
-        if let Some((reservation, _)) = t.reservation {
-            self.spawn_settle(Some(reservation), 0, None, None, None);
         }
     }
 
