@@ -325,6 +325,24 @@ pub struct Draw {
     tokens: u64,
     owner: std::sync::Weak<std::sync::Mutex<BlocksInner>>,
     ended: bool,
+    /// The call went on the wire: dropped now, it counts at its estimate.
+    sent: bool,
+    /// Its block's room was counted in a second that ends (less the margin) here.
+    usable_until: tokio::time::Instant,
+}
+
+impl Draw {
+    /// The call is about to go on the wire: a drop from here on (its future dropped at
+    /// the end of the shutdown grace) keeps it counted at its estimate.
+    pub fn mark_sent(&mut self) {
+        self.sent = true;
+    }
+
+    /// Whether a call may still be sent on this room: a draw that waited (a budget
+    /// script retried while Redis was away) past its block's second must be taken again.
+    pub fn usable(&self) -> bool {
+        self.usable_until > tokio::time::Instant::now()
+    }
 }
 
 impl Drop for Draw {
@@ -334,7 +352,12 @@ impl Drop for Draw {
         }
         if let Some(inner) = self.owner.upgrade() {
             let mut g = crate::sync::lock(&inner);
-            if let Some(s) = g.end(self.block, &self.model, self.tokens, Some(0), true) {
+            let (used, undone) = if self.sent {
+                (None, false)
+            } else {
+                (Some(0), true)
+            };
+            if let Some(s) = g.end(self.block, &self.model, self.tokens, used, undone) {
                 g.ready.push(s);
             }
         }
@@ -404,6 +427,8 @@ impl Blocks {
                     tokens,
                     owner: std::sync::Arc::downgrade(&self.inner),
                     ended: false,
+                    sent: false,
+                    usable_until: b.usable_until,
                 };
                 if b.calls_left == 0 {
                     g.close(model, &mut out);
@@ -453,11 +478,12 @@ impl Blocks {
         } else {
             0
         };
+        let until = usable_until.unwrap_or_else(tokio::time::Instant::now);
         let b = Block {
             id,
             model: model.to_string(),
             k,
-            usable_until: usable_until.unwrap_or_else(tokio::time::Instant::now),
+            usable_until: until,
             calls_left,
             tokens_left: admission.tokens.saturating_sub(tokens),
             drawn: 1,
@@ -479,6 +505,8 @@ impl Blocks {
                 tokens,
                 owner: std::sync::Arc::downgrade(&self.inner),
                 ended: false,
+                sent: false,
+                usable_until: until,
             },
             out,
         )
@@ -647,6 +675,14 @@ mod block_tests {
             "the dropped call made nothing"
         );
         assert!(b.sweep(true).is_empty(), "sent once");
+        // A draw dropped once its call went on the wire stays counted, at its estimate.
+        let (first, _) = b.open("m", 4, 10, adm(40), later(10_000));
+        let (mut second, _) = b.draw("m", 10);
+        second.as_mut().unwrap().mark_sent();
+        assert!(b.settle(first, Some(10)).is_none());
+        drop(second);
+        let s = b.sweep(true);
+        assert_eq!((s[0].used, s[0].calls), (20, 2), "{s:?}");
         // The same on a block already closed (used up), waiting for its calls.
         let (first, _) = b.open("m", 2, 10, adm(20), later(10_000));
         let (second, closed) = b.draw("m", 10);

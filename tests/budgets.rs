@@ -609,18 +609,12 @@ async fn a_job_taken_over_from_a_killed_worker_keeps_its_cap() {
     })
     .await;
     let tc = TestConfig::new(&redis, &sim);
-    let pl = |cap: &str| {
-        format!(
-            r#"{{"id":"k1","messages":[{{"role":"user","content":"hi"}}],"max_tokens":16,"max_cost_usd":"{cap}"}}"#
-        )
-    };
     // Room for one call of m1 at its worst case, not two (and none of m2 or m3).
-    let worst = worst_of(&tc.parsed(), &pl("0.000000000000"), "m1");
-    let cap = format!("{:.12}", worst * Decimal::new(15, 1));
+    let (job, worst, cap) = capped_k1(&tc, Decimal::new(15, 1));
     let dir = tempfile::tempdir().unwrap();
     let cfg = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
-    push(&mut conn, "llm", &[pl(&cap)]).await;
+    push(&mut conn, "llm", &[job]).await;
     let w1 = WorkerProc::spawn(&cfg, "w1", &[]);
     assert!(
         in_flight_at_least(&sim, 1, T).await,
@@ -657,4 +651,203 @@ async fn a_job_taken_over_from_a_killed_worker_keeps_its_cap() {
     assert!(r["error"].starts_with("budget:"), "{r:?}");
     let left: Vec<String> = conn.keys("{llm}:capspent:*").await.unwrap();
     assert!(left.is_empty(), "the record goes with the result: {left:?}");
+}
+
+/// Review finding (issue 10, tests first): a delivery that took a killed worker's entry over (its cap record counted) and is
+/// handed back by a SIGTERM before its own first call carries nothing (`carry()` is
+/// `None` with no attempt) and the record stays under the old entry id: the new entry
+/// starts its cap from zero.
+/// Fixed: a hand-back carries whatever the cap counts, called or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_back_before_the_first_call_carries_what_a_killed_delivery_recorded() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 20_000,
+        model_latency_ms: std::collections::HashMap::from([("m3".to_string(), 15_000)]),
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    // Room for two calls of m1 at their worst case, not three.
+    let (job, worst, cap) = capped_k1(&tc, Decimal::new(25, 1));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job]).await;
+    let w1 = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&sim, 1, Duration::from_secs(20)).await,
+        "{}",
+        w1.log()
+    );
+    w1.signal("KILL");
+    // W0 holds the only slot with a long call of another job on m3.
+    let w0 = WorkerProc::spawn(
+        &cfg,
+        "w0",
+        &[("LLM_WORKER__PROVIDERS__P1__TIMEOUT_MS", "500")],
+    );
+    assert_started(&[&w0]).await;
+    push(&mut conn, "llm", &[r#"{"id":"blocker","model":"m3","messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#.to_string()]).await;
+    assert!(
+        wait_for(Duration::from_secs(20), || async {
+            sim.sim.stats().calls_per_job.contains_key("blocker")
+        })
+        .await,
+        "{}",
+        w0.log()
+    );
+    // W2 takes X over (counts W1's call) and waits for the slot; then SIGTERM.
+    let mut w2 = WorkerProc::spawn(&cfg, "w2", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "500")]);
+    assert_started(&[&w2]).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    w2.signal("TERM");
+    wait_exit(&mut w2, Duration::from_secs(15)).await;
+    eprintln!("w2:\n{}", logs_tail(&[&w2], 15));
+    context(
+        wait_len(&mut conn, "{llm}:results", 2, Duration::from_secs(60)).await,
+        &[&w0],
+    )
+    .expect("2 results");
+    let n = sim
+        .sim
+        .stats()
+        .calls_per_job
+        .get("k1")
+        .copied()
+        .unwrap_or(0);
+    let results = entries(&mut conn, "{llm}:results").await;
+    let mut w0 = w0;
+    stop_clean(&mut w0, Duration::from_secs(20)).await;
+    eprintln!("cap {cap} = 2.5 x worst {worst}; calls of k1: {n}; results {results:?}");
+    assert_eq!(
+        n,
+        2,
+        "W1's call and one more fit the cap, not a third\n{}",
+        logs_tail(&[&w0], 30)
+    );
+}
+
+/// Review finding (issue 10, tests first): a cap record refused by a full Redis (EXECABORT: not retried, the call runs
+/// unrecorded) is still "corrected" after the call once Redis has memory again: a call
+/// not billed (HTTP 500) subtracts its worst case from a record that never got it. The
+/// record goes negative, the next call's worst case cancels out, and a worker that takes
+/// the job over after a kill mid-call starts from zero.
+/// Fixed: a MULTI aborted by OOM heals like the OOM inside it (retried until Redis has
+/// memory), and only a record that was written is corrected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cap_record_refused_by_a_full_redis_is_retried_and_never_goes_negative() {
+    use llm_worker::sim::{Fault, Rule};
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 2_000,
+        rules: vec![
+            Rule {
+                model: "m1".into(),
+                fault: Fault::Status { status: 500 },
+                probability: 1.0,
+                first_n: Some(1),
+            },
+            Rule {
+                model: "m1".into(),
+                fault: Fault::Hang,
+                probability: 1.0,
+                first_n: None,
+            },
+        ],
+        ..SimOptions::default()
+    })
+    .await;
+    let tc = TestConfig::new(&redis, &sim);
+    let pl = |cap: &str| {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":16,"max_cost_usd":"{cap}"}}"#
+        )
+    };
+    let worst = worst_of(&tc.parsed(), &pl("0.000000000000"), "m1");
+    let cap = format!("{:.12}", worst * Decimal::new(15, 1));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    set_maxmemory(&mut conn, 0).await;
+    let w1 = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert_started(&[&w1]).await;
+    let _: () = redis::pipe()
+        .cmd("XADD")
+        .arg("{llm}:jobs")
+        .arg("*")
+        .arg("payload")
+        .arg(pl(&cap))
+        .ignore()
+        .cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg("1")
+        .ignore()
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        wait_log(
+            &w1,
+            "cannot record the call against",
+            Duration::from_secs(10)
+        )
+        .await,
+        "{}",
+        w1.log()
+    );
+    set_maxmemory(&mut conn, 0).await;
+    assert!(
+        wait_for(Duration::from_secs(15), || async {
+            calls_to(&sim, "m1") >= 2
+        })
+        .await,
+        "{}",
+        w1.log()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("{llm}:capspent:*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut vals = vec![];
+    for k in &keys {
+        let v: Option<String> = redis::cmd("GET")
+            .arg(k)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        vals.push(v);
+    }
+    eprintln!("worst {worst}: cap records while call 2 is on the wire: {keys:?} = {vals:?}");
+    w1.signal("KILL");
+    let mut w2 = WorkerProc::spawn(&cfg, "w2", &[("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "500")]);
+    let third = wait_for(Duration::from_secs(10), || async {
+        calls_to(&sim, "m1") >= 3
+    })
+    .await;
+    let log = logs_tail(&[&w2], 20);
+    w2.signal("KILL");
+    let _ = &mut w2;
+    assert!(
+        !third,
+        "the killed delivery's call counts: W + W > 1.5 W, no third call\n{log}"
+    );
+}
+
+/// Job `k1` with a `max_cost_usd` of `times` the worst case of one call of m1; returns
+/// the job, that worst case and the cap.
+fn capped_k1(tc: &TestConfig, times: Decimal) -> (String, Decimal, String) {
+    let pl = |cap: &str| {
+        format!(
+            r#"{{"id":"k1","messages":[{{"role":"user","content":"hi"}}],"max_tokens":16,"max_cost_usd":"{cap}"}}"#
+        )
+    };
+    // Formatted to 12 places: the job's bytes, so its worst case, do not depend on the cap.
+    let worst = worst_of(&tc.parsed(), &pl("0.000000000000"), "m1");
+    let cap = format!("{:.12}", worst * times);
+    (pl(&cap), worst, cap)
 }

@@ -558,3 +558,78 @@ async fn rate_blocks_count_every_call_and_settle_to_the_tokens_used() {
         "{quota_per_job:.2} quota scripts per job"
     );
 }
+
+/// Review finding (issue 10, tests first): a call aborted at the end of the shutdown grace drops its block `Draw` with the job's
+/// future (`on_wire` is dropped, not settled): its block never reaches outstanding == 0,
+/// so the one settle of that block is never sent, and the calls of that block that DID
+/// end lose their corrections. When they used more tokens than estimated, the tpm
+/// window ends up counting fewer tokens than the provider billed.
+/// Fixed: a draw dropped unsettled settles by itself (at its estimate once its call was
+/// sent), and the shutdown sweep sends its block's settle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_aborted_at_shutdown_stays_counted_and_its_block_settles() {
+    use llm_worker::sim::{Fault, Rule};
+    use redis::AsyncCommands;
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 300,
+        rules: vec![Rule {
+            model: "m1".into(),
+            fault: Fault::Hang,
+            probability: 0.3,
+            first_n: None,
+        }],
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 32;
+    tc.slots = 32;
+    tc.grace_ms = 1000;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let jobs: Vec<String> = (0..24)
+        .map(|i| serde_json::json!({"id": format!("j{i}"), "model": "m1", "messages": [{"role": "user", "content": format!("hello {i}")}]}).to_string())
+        .collect();
+    push(&mut conn, "llm", &jobs).await;
+    // The estimate counts 1 output token; the sim answers 8..127.
+    let env = [
+        ("LLM_WORKER__MODELS__M1__MAX_OUTPUT_TOKENS", "1"),
+        ("LLM_WORKER__MODELS__M1__TPM", "100000000"),
+        ("LLM_WORKER__MODELS__M1__RPM", "1000000"),
+    ];
+    let mut w = WorkerProc::spawn(&cfg, "w", &env);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    w.signal("TERM");
+    wait_exit(&mut w, Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let billed = sim
+        .sim
+        .stats()
+        .billed
+        .get("m1")
+        .cloned()
+        .unwrap_or_default();
+    let billed = billed.prompt_tokens + billed.completion_tokens;
+    let tpm: u64 = conn.hget("{llm}:rate:m:m1:tpm:w", "n").await.unwrap_or(0);
+    let adm: Vec<String> = conn.keys("{llm}:rate:adm:*").await.unwrap();
+    let results = xlen(&mut conn, "{llm}:results").await;
+    eprintln!(
+        "results {results}, calls {}, billed tokens {billed}, tpm window {tpm}, admission records left {}",
+        calls_to(&sim, "m1"),
+        adm.len()
+    );
+    let rpm: u64 = conn.hget("{llm}:rate:m:m1:rpm:w", "n").await.unwrap_or(0);
+    let sent = calls_to(&sim, "m1");
+    eprintln!("rpm window {rpm}, calls sent {sent}");
+    assert!(
+        rpm >= sent,
+        "the rpm window counts fewer calls ({rpm}) than were sent ({sent})"
+    );
+    assert!(
+        tpm >= billed,
+        "the tpm window counts fewer tokens ({tpm}) than were billed ({billed})\n{}",
+        logs_tail(&[&w], 20)
+    );
+}

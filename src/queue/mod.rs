@@ -86,6 +86,12 @@ pub(crate) fn redis_error_heals(e: &redis::RedisError) -> bool {
         return true;
     }
     match e.code() {
+        // A MULTI aborted for one of its commands (EXECABORT): heals as that command's
+        // error does (a full Redis refuses the INCRBY with OOM inside it).
+        Some("EXECABORT") => e.clone().into_server_errors().is_some_and(|errs| {
+            errs.iter()
+                .any(|(_, se)| HEALING_CODES.contains(&se.code()))
+        }),
         Some(code) => HEALING_CODES.contains(&code),
         // No server code: a client-side failure (parse, protocol); retrying helps
         // only if the connection was at fault, which the checks above cover.

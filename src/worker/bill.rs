@@ -194,7 +194,9 @@ impl Spent {
 
     /// The `_billed` value to hand on; `None` when nothing was called yet.
     pub(super) fn carry(&self) -> Option<Vec<u8>> {
-        if self.attempts == 0 {
+        // Nothing called and nothing counted: nothing to carry. A delivery that took a
+        // killed worker's entry over counts that worker's calls before its own first one.
+        if self.attempts == 0 && self.counted() == Decimal::ZERO {
             return None;
         }
         let c = Carried {

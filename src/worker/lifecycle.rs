@@ -537,13 +537,21 @@ impl Worker {
                         .copied(),
                     None => None,
                 };
-                if let Some(w) = cap_worst {
-                    if !self.record_cap_spent(&d.entry_id, w).await {
-                        release_unused(lease).await;
-                        return None;
-                    }
-                    lock(spent).cap_recorded = true;
-                }
+                // Only a record that was written is corrected later.
+                let cap_worst = match cap_worst {
+                    Some(w) => match self.record_cap_spent(&d.entry_id, w).await {
+                        CapRecord::Written => {
+                            lock(spent).cap_recorded = true;
+                            Some(w)
+                        }
+                        CapRecord::Refused => None,
+                        CapRecord::Draining => {
+                            release_unused(lease).await;
+                            return None;
+                        }
+                    },
+                    None => None,
+                };
                 // The budgets and the fleet-wide rate limits, in one round trip, all or
                 // nothing (a call held back by a rate limit reserves no budget).
                 let quota = self.admit_quota(&job, &cand.model).await;
@@ -618,6 +626,10 @@ impl Worker {
                     upstream,
                 );
                 let call_started = Instant::now();
+                let mut ticket = ticket;
+                if let Some(d) = ticket.as_mut().and_then(|t| t.draw.as_mut()) {
+                    d.mark_sent();
+                }
                 *lock(&on_wire) = Some((cand.model.clone(), ticket));
                 let outcome = client.call(&body, &job.id).await;
                 let ticket = lock(&on_wire).take().and_then(|(_, t)| t);
@@ -959,20 +971,21 @@ impl Worker {
     }
 
     /// Adds a call's worst case to its entry's cap record before the call. Retries while
-    /// Redis does not answer: no capped call starts unrecorded. `false`: draining began.
-    async fn record_cap_spent(&self, entry_id: &str, worst: rust_decimal::Decimal) -> bool {
+    /// Redis does not answer (a full Redis included): no capped call starts unrecorded,
+    /// unless the record cannot be written until someone acts (a key of another type).
+    async fn record_cap_spent(&self, entry_id: &str, worst: rust_decimal::Decimal) -> CapRecord {
         let picos = picos_up(worst);
         let what = "record the call against the job's max_cost_usd";
         match self
             .until_answered(entry_id, what, || self.queue.cap_spent_add(entry_id, picos))
             .await
         {
-            Some(Ok(())) => true,
+            Some(Ok(())) => CapRecord::Written,
             Some(Err(e)) => {
                 tracing::warn!(entry = %entry_id, error = %e, "cannot {what}; a worker taking the job over will not count it");
-                true
+                CapRecord::Refused
             }
-            None => false,
+            None => CapRecord::Draining,
         }
     }
 
@@ -1205,6 +1218,16 @@ enum Quota {
     Stopped,
 }
 
+/// What [`Worker::record_cap_spent`] did.
+enum CapRecord {
+    /// Written: correct it after the call.
+    Written,
+    /// Refused until someone acts: the call goes ahead unrecorded (nothing to correct).
+    Refused,
+    /// Draining began before Redis answered: no call.
+    Draining,
+}
+
 /// A call asking for its model's next rate block: if it ends without opening one (the
 /// script refused it, draining, a panic), the calls waiting for it are told, and one of
 /// them asks instead.
@@ -1334,6 +1357,16 @@ impl Worker {
             {
                 Ok(Answer::Admitted { ms, .. }) => {
                     let draw = match (draw, ask) {
+                        (Some(d), _) if !d.usable() => {
+                            // The budget script took past the second the room was counted
+                            // in (Redis away): this room is stale. Everything goes back
+                            // and the call is admitted afresh.
+                            self.settle_blocks(self.rate_blocks.undo(d));
+                            if let Some(b) = budget {
+                                self.spawn_settle(Some(b.reservation()), 0, None, None, None);
+                            }
+                            return Quota::Wait(Duration::ZERO);
+                        }
                         (Some(d), _) => Some(d),
                         (None, Some(a)) => {
                             // Drawn on until shortly before the server's second ends.
