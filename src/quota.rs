@@ -44,23 +44,28 @@ pub enum QuotaError {
     },
 }
 
-/// Tokens one media part (an image, an audio clip, a file) can be billed at most, whatever
-/// its bytes: providers bill an image by its size, not by its URL or base64 text.
-/// OpenAI's patch-based models bill up to about 3,800 tokens for one image (1,536 patches
-/// times 2.46), Gemini up to 16 tiles of 258 (4,128), Claude about 1,600; 6,000 covers
-/// them all. (Audio is billed by its length, which its inline bytes already bound; the
-/// part is counted all the same.)
-pub const MEDIA_PART_TOKEN_BOUND: u64 = 6_000;
+/// Tokens one media part (an image, an audio clip, a file) can be billed at most when the
+/// model sets no `max_media_tokens`, whatever its bytes: providers bill an image by its
+/// size, not by its URL or base64 text. The dearest per image in tokens we know of is
+/// gpt-4o-mini at high detail: 2,833 + 5,667 per 512-pixel tile, up to 8 tiles = 48,169
+/// (Claude bills about 1,600, Gemini up to 16 tiles of 258, Together's vision models up
+/// to about 6,400). A file part is billed by its content, which nothing here bounds: set
+/// `max_media_tokens` to what your largest file can be billed.
+pub const MEDIA_PART_TOKEN_BOUND: u64 = 50_000;
 
-/// Upper bound of the prompt tokens of `body` (see the module doc): its bytes, plus
-/// [`MEDIA_PART_TOKEN_BOUND`] for every media part of its messages.
-pub fn prompt_token_bound(body: &Map<String, Value>) -> u64 {
+/// Upper bound of the prompt tokens of `body` for `model` (see the module doc): its
+/// bytes, plus the model's `max_media_tokens` (else [`MEDIA_PART_TOKEN_BOUND`]) for every
+/// media part of its messages.
+pub fn prompt_token_bound(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
     let bytes = serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64);
-    bytes.saturating_add(media_parts(body).saturating_mul(MEDIA_PART_TOKEN_BOUND))
+    let per_part = model
+        .max_media_tokens
+        .map_or(MEDIA_PART_TOKEN_BOUND, |n| n.get());
+    bytes.saturating_add(media_parts(body).saturating_mul(per_part))
 }
 
 /// How many content parts of `body`'s messages are not text (images, audio, files).
-fn media_parts(body: &Map<String, Value>) -> u64 {
+pub(crate) fn media_parts(body: &Map<String, Value>) -> u64 {
     let Some(Value::Array(messages)) = body.get("messages") else {
         return 0;
     };
@@ -115,7 +120,7 @@ pub fn worst_case(body: &Map<String, Value>, model: &ModelConfig) -> Result<Deci
     };
     cost::checked_cost(
         &Usage {
-            prompt_tokens: prompt_token_bound(body),
+            prompt_tokens: prompt_token_bound(body, model),
             completion_tokens: output_token_bound(body, model),
             cached_tokens: 0,
             cache_write_tokens: 0,
@@ -215,7 +220,7 @@ none = []
         let c = cfg();
         let b = body(r#"{"messages":[{"role":"user","content":"hi"}]}"#);
         let bytes = serde_json::to_vec(&b).unwrap().len() as u64;
-        assert_eq!(prompt_token_bound(&b), bytes);
+        assert_eq!(prompt_token_bound(&b, &c.models["cheap"]), bytes);
         // cheap: no max_tokens -> the model's max_output_tokens (100)
         assert_eq!(output_token_bound(&b, &c.models["cheap"]), 100);
         // dear: neither -> the whole context window
@@ -247,13 +252,23 @@ none = []
             r#"{"messages":[{"role":"user","content":[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"https://example.com/a.png"}},{"type":"input_audio","input_audio":{"data":"UklGR","format":"wav"}}]}],"max_tokens":5}"#,
         );
         let bytes = serde_json::to_vec(&b).unwrap().len() as u64;
-        assert_eq!(prompt_token_bound(&b), bytes + 2 * MEDIA_PART_TOKEN_BOUND);
+        assert_eq!(
+            prompt_token_bound(&b, &c.models["cheap"]),
+            bytes + 2 * MEDIA_PART_TOKEN_BOUND
+        );
+        // A model's own bound replaces the default.
+        let mut tight = c.models["cheap"].clone();
+        tight.max_media_tokens = std::num::NonZeroU64::new(1_600);
+        assert_eq!(prompt_token_bound(&b, &tight), bytes + 2 * 1_600);
         // Parts in older messages count too; text parts and plain strings add nothing.
         let b = body(
             r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/gif;base64,R0lGODlhAQABAAAAACw="}}]},{"role":"assistant","content":"a gif"},{"role":"user","content":[{"type":"text","text":"again"}]}]}"#,
         );
         let bytes = serde_json::to_vec(&b).unwrap().len() as u64;
-        assert_eq!(prompt_token_bound(&b), bytes + MEDIA_PART_TOKEN_BOUND);
+        assert_eq!(
+            prompt_token_bound(&b, &c.models["cheap"]),
+            bytes + MEDIA_PART_TOKEN_BOUND
+        );
         let w = worst_case(&b, &c.models["cheap"]).unwrap();
         let want = Decimal::from(bytes + MEDIA_PART_TOKEN_BOUND) / Decimal::from(1_000_000)
             + Decimal::new(200, 6);

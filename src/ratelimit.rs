@@ -17,6 +17,9 @@ use std::time::Duration;
 /// The window of every limit (whole seconds: one-second buckets).
 pub const WINDOW: Duration = Duration::from_secs(60);
 
+/// Prompt tokens estimated for one media part (an image: what providers usually bill).
+pub const MEDIA_ESTIMATE: u64 = 1_500;
+
 /// Output tokens counted for a call that sets no `max_tokens` on a model without
 /// `max_output_tokens` (the tokens estimate only; the real usage corrects it).
 pub const DEFAULT_OUTPUT_ESTIMATE: u64 = 1024;
@@ -80,7 +83,11 @@ fn window_key(stem: &str) -> String {
 /// per token in English text; the real usage corrects it after the call) plus its output
 /// cap.
 pub fn token_estimate(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
-    let prompt = crate::quota::prompt_token_bound(body) / 4;
+    // Bytes, not the worst case's media bound: an image is estimated at what a
+    // provider usually bills for one (the real usage corrects it after the call).
+    let bytes = serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64);
+    let prompt =
+        (bytes / 4).saturating_add(crate::quota::media_parts(body).saturating_mul(MEDIA_ESTIMATE));
     let output = crate::quota::requested_output(body)
         .or(model.max_output_tokens)
         .unwrap_or(DEFAULT_OUTPUT_ESTIMATE)

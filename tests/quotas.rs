@@ -217,7 +217,7 @@ fn the_worst_case_bounds_cache_writes_priced_above_input() {
         serde_json::from_str(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":16}"#)
             .unwrap();
     let worst = llm_worker::quota::worst_case(&body, &mc).unwrap();
-    let bound = llm_worker::quota::prompt_token_bound(&body);
+    let bound = llm_worker::quota::prompt_token_bound(&body, &mc);
     let v = serde_json::json!({"usage": {"input_tokens": 0, "cache_creation_input_tokens": bound, "output_tokens": 16}});
     let u = llm_worker::provider::parse_usage(&v).unwrap();
     let price = llm_worker::cost::Price {

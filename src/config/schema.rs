@@ -222,6 +222,11 @@ pub struct ModelConfig {
     /// cost checked against a job's `max_cost_usd`. Absent = the whole context window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_output_tokens: Option<u64>,
+    /// The most prompt tokens one media part (an image, audio, a file) of a request can
+    /// be billed by this model: bounds the worst-case cost (budgets, `max_cost_usd`).
+    /// Absent = `quota::MEDIA_PART_TOKEN_BOUND`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_media_tokens: Option<NonZeroU64>,
     /// Fleet-wide requests per minute of this model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rpm: Option<NonZeroU64>,
