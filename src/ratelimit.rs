@@ -701,6 +701,21 @@ mod block_tests {
         assert_eq!((s[0].used, s[0].calls), (12, 1));
     }
 
+    /// A draw held past its block's second (its budget script retried while Redis was
+    /// away) says so, and the worker takes its room again instead of sending the call
+    /// in a later second than it was counted in.
+    #[tokio::test(start_paused = true)]
+    async fn a_draw_held_past_its_second_is_no_longer_usable() {
+        let b = Blocks::default();
+        let (first, _) = b.open("m", 4, 10, adm(40), later(100));
+        let (second, _) = b.draw("m", 10);
+        let second = second.expect("room");
+        assert!(first.usable() && second.usable());
+        tokio::time::advance(Duration::from_millis(150)).await;
+        assert!(!first.usable() && !second.usable());
+        assert!(b.draw("m", 10).0.is_none(), "nor drawn on");
+    }
+
     /// One call asks for a model's block at a time; the others wait for it and then draw.
     #[test]
     fn one_call_fetches_a_block_while_the_others_wait_for_it() {

@@ -773,6 +773,23 @@ async fn a_cap_record_refused_by_a_full_redis_is_retried_and_never_goes_negative
     set_maxmemory(&mut conn, 0).await;
     let w1 = WorkerProc::spawn(&cfg, "w1", &[]);
     assert_started(&[&w1]).await;
+    // The job must reach the worker before Redis is full (a read under `maxmemory` is
+    // refused): send it, and the limit behind it, while the reader is blocked in
+    // XREADGROUP, which Redis serves right after the XADD.
+    let blocked = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move {
+            let list: String = redis::cmd("CLIENT")
+                .arg("LIST")
+                .query_async(&mut c)
+                .await
+                .unwrap_or_default();
+            list.lines()
+                .any(|l| l.contains("cmd=xreadgroup") && l.contains("flags=b"))
+        }
+    })
+    .await;
+    assert!(blocked, "the reader blocks in XREADGROUP\n{}", w1.log());
     let _: () = redis::pipe()
         .cmd("XADD")
         .arg("{llm}:jobs")
@@ -850,4 +867,45 @@ fn capped_k1(tc: &TestConfig, times: Decimal) -> (String, Decimal, String) {
     let worst = worst_of(&tc.parsed(), &pl("0.000000000000"), "m1");
     let cap = format!("{:.12}", worst * times);
     (pl(&cap), worst, cap)
+}
+
+/// Review finding (issue 10, tests first): a capped job's call cut off at the end of the
+/// shutdown grace was handed back as if it cost nothing (the job's future, holding the
+/// call on the wire, is dropped by the abort): the next delivery could spend the whole
+/// cap again. The hand-back carries it at its worst case.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_aborted_at_shutdown_is_carried_at_its_worst_case() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 30_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.grace_ms = 500;
+    let (job, worst, _cap) = capped_k1(&tc, Decimal::new(15, 1));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &[job]).await;
+    let mut w1 = WorkerProc::spawn(&cfg, "w1", &[]);
+    assert!(
+        in_flight_at_least(&sim, 1, T).await,
+        "the call is on the wire\n{}",
+        w1.log()
+    );
+    w1.signal("TERM");
+    wait_exit(&mut w1, Duration::from_secs(15)).await;
+    let jobs = entries(&mut conn, "{llm}:jobs").await;
+    let billed = jobs
+        .last()
+        .and_then(|(_, f)| f.get("_billed").cloned())
+        .unwrap_or_else(|| panic!("a handed-back entry with _billed: {jobs:?}\n{}", w1.log()));
+    let v: serde_json::Value = serde_json::from_str(&billed).unwrap();
+    let unknown = Decimal::from_str(v["unknown_usd"].as_str().unwrap_or("0")).unwrap();
+    eprintln!("_billed {billed}; worst {worst}");
+    assert!(
+        unknown >= worst,
+        "the aborted call is carried at {unknown}, its worst case is {worst}"
+    );
 }

@@ -33,18 +33,23 @@ impl Worker {
     pub async fn handle(&self, d: Delivery, abort: CancellationToken) -> bool {
         let started = Instant::now();
         let spent = Mutex::new(Spent::carried(d.billed.as_deref(), &d.entry_id));
+        // The call on the wire (outside `process`, so the shutdown abort that drops it
+        // still finds the call).
+        let on_wire: OnWire = Mutex::new(None);
         let commit = tokio::select! {
             // A job whose end is decided in the same poll as `abort` keeps its result.
             biased;
             // Boxed: the job's state machine is large (kilobytes); on the heap it is
             // never copied when the task is spawned or polled.
-            c = Box::pin(self.process(&d, started, &spent)) => c,
+            c = Box::pin(self.process(&d, started, &spent, &on_wire)) => c,
             _ = abort.cancelled() => {
                 tracing::info!(entry = %d.entry_id, "job cancelled by shutdown; handing it back");
                 metrics::counter!("llm_worker_jobs_abandoned_total").increment(1);
                 None
             }
         };
+        // A call cut off by the abort counts in what the hand-back carries.
+        self.cut_off(&on_wire, &spent);
         // A place kept for this entry (moved back from a parked stream) and not taken:
         // given back now, so the tenant does not wait for it to lapse.
         if let Some(field) = &d.unparked {
@@ -172,6 +177,7 @@ impl Worker {
         d: &Delivery,
         started: Instant,
         spent: &Mutex<Spent>,
+        on_wire: &OnWire,
     ) -> Option<Commit> {
         if let Some(reason) = &d.malformed {
             tracing::warn!(entry = %d.entry_id, %reason, "invalid job entry; dead-lettered");
@@ -412,7 +418,6 @@ impl Worker {
         let mut place: Option<crate::tenants::TenantLease> = None;
         // The call on the wire, if any: its model and its quota ticket. Outside the loop,
         // so a stop that drops the loop mid-call still settles what the call may cost.
-        let on_wire: Mutex<Option<(String, Option<Ticket>)>> = Mutex::new(None);
         // The job's loop, raced against its stop switch. Dropping it on a stop aborts the
         // call in flight (the provider sees the connection close) and drops its slot lease,
         // tenant place and quota reservation, which release themselves (the reservation
@@ -567,6 +572,11 @@ impl Worker {
                         release_unused(lease).await;
                         return None;
                     }
+                    Quota::Again => {
+                        // Not a rate limit's wait: no fallback clock runs for it.
+                        release_unused(lease).await;
+                        continue;
+                    }
                     Quota::Skip(e) => {
                         // on_exhausted = "cheaper" (or a worst case not computable): another
                         // model of the route whose worst case fits may run.
@@ -630,9 +640,16 @@ impl Worker {
                 if let Some(d) = ticket.as_mut().and_then(|t| t.draw.as_mut()) {
                     d.mark_sent();
                 }
-                *lock(&on_wire) = Some((cand.model.clone(), ticket));
+                let cap_worst_of_call = match job.max_cost_usd {
+                    Some(_) => worst
+                        .get(plan.current_index())
+                        .and_then(|w| w.as_ref().ok())
+                        .copied(),
+                    None => None,
+                };
+                *lock(on_wire) = Some((cand.model.clone(), ticket, cap_worst_of_call));
                 let outcome = client.call(&body, &job.id).await;
-                let ticket = lock(&on_wire).take().and_then(|(_, t)| t);
+                let ticket = lock(on_wire).take().and_then(|(_, t, _)| t);
                 if lease.is_lost() {
                     tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
                 }
@@ -744,23 +761,32 @@ impl Worker {
             f = &mut run => f?,
             why = self.stop_signal(&stop, job.deadline_ms) => Finished::Stopped(why),
         };
-        if let Some((model, ticket)) = lock(&on_wire).take() {
-            // Aborted after it was sent: the provider may bill it, like a call cut off by
-            // its timeout. Its worst case stays counted in the budgets (settled, not left
-            // to lapse); the bill counts the call, its cost unknown.
-            if let Some(t) = ticket {
-                self.settle_detached(t, None, None);
-            }
-            let mut s = lock(spent);
-            s.aborted_call = true;
-            if let Some(price) = self.prices.get(&model) {
-                s.bill.add(&model, None, price);
-            }
-            s.bill.warnings.push(format!(
-                "{model}: the call was aborted after it was sent; its cost is unknown and counted as 0 here (budgets keep its worst case)"
-            ));
-        }
+        self.cut_off(on_wire, spent);
         Some(self.finish(d, &job, finished, &lock(spent), started))
+    }
+
+    /// The call on the wire, if any, when its job's loop was dropped (a stop, or the
+    /// shutdown abort): the provider may bill it, like a call cut off by its timeout. Its
+    /// worst case stays counted in the budgets (settled, not left to lapse) and against
+    /// the job's cap (a hand-back carries it); the bill counts the call, its cost unknown.
+    pub(super) fn cut_off(&self, on_wire: &OnWire, spent: &Mutex<Spent>) {
+        let Some((model, ticket, worst)) = lock(on_wire).take() else {
+            return;
+        };
+        if let Some(t) = ticket {
+            self.settle_detached(t, None, None);
+        }
+        let mut s = lock(spent);
+        s.aborted_call = true;
+        if let Some(w) = worst {
+            s.unknown_worst = s.unknown_worst.saturating_add(w);
+        }
+        if let Some(price) = self.prices.get(&model) {
+            s.bill.add(&model, None, price);
+        }
+        s.bill.warnings.push(format!(
+            "{model}: the call was aborted after it was sent; its cost is unknown and counted as 0 here (budgets keep its worst case)"
+        ));
     }
 
     /// A slot for the plan's current model; if its pool stays busy past
@@ -1216,7 +1242,14 @@ enum Quota {
     Wait(Duration),
     /// Draining: the job is left for hand-back.
     Stopped,
+    /// Its rate room went stale while the budget answered (Redis slow): everything went
+    /// back; take it again at once.
+    Again,
 }
+
+/// The call of a job on the wire: its model, its quota ticket, and its worst case when
+/// the job has a cost cap.
+pub(super) type OnWire = Mutex<Option<(String, Option<Ticket>, Option<rust_decimal::Decimal>)>>;
 
 /// What [`Worker::record_cap_spent`] did.
 enum CapRecord {
@@ -1254,7 +1287,7 @@ impl Drop for FetchGuard<'_> {
 
 /// A call's reservation (with its worst case) and its share of a rate block, to settle
 /// after it.
-struct Ticket {
+pub(super) struct Ticket {
     reservation: Option<(crate::budget::Reservation, rust_decimal::Decimal)>,
     draw: Option<crate::ratelimit::Draw>,
 }
@@ -1365,7 +1398,7 @@ impl Worker {
                             if let Some(b) = budget {
                                 self.spawn_settle(Some(b.reservation()), 0, None, None, None);
                             }
-                            return Quota::Wait(Duration::ZERO);
+                            return Quota::Again;
                         }
                         (Some(d), _) => Some(d),
                         (None, Some(a)) => {
