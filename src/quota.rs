@@ -57,11 +57,16 @@ pub const MEDIA_PART_TOKEN_BOUND: u64 = 50_000;
 /// bytes, plus the model's `max_media_tokens` (else [`MEDIA_PART_TOKEN_BOUND`]) for every
 /// media part of its messages.
 pub fn prompt_token_bound(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
-    let bytes = serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64);
+    let bytes = body_bytes(body);
     let per_part = model
         .max_media_tokens
         .map_or(MEDIA_PART_TOKEN_BOUND, |n| n.get());
     bytes.saturating_add(media_parts(body).saturating_mul(per_part))
+}
+
+/// Bytes of `body` as sent (JSON); `u64::MAX` if it cannot be serialized.
+pub(crate) fn body_bytes(body: &Map<String, Value>) -> u64 {
+    serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64)
 }
 
 /// How many content parts of `body`'s messages are not text (images, audio, files).

@@ -85,7 +85,7 @@ fn window_key(stem: &str) -> String {
 pub fn token_estimate(body: &Map<String, Value>, model: &ModelConfig) -> u64 {
     // Bytes, not the worst case's media bound: an image is estimated at what a
     // provider usually bills for one (the real usage corrects it after the call).
-    let bytes = serde_json::to_vec(body).map_or(u64::MAX, |b| b.len() as u64);
+    let bytes = crate::quota::body_bytes(body);
     let prompt =
         (bytes / 4).saturating_add(crate::quota::media_parts(body).saturating_mul(MEDIA_ESTIMATE));
     let output = crate::quota::requested_output(body)

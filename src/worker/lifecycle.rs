@@ -535,7 +535,7 @@ impl Worker {
                 // that takes the job over after this one dies counts it. Before the quotas:
                 // the call goes out right after its rate room was counted, never a Redis
                 // outage later, in another second.
-                let cap_worst = match job.max_cost_usd {
+                let call_worst = match job.max_cost_usd {
                     Some(_) => worst
                         .get(plan.current_index())
                         .and_then(|w| w.as_ref().ok())
@@ -543,7 +543,7 @@ impl Worker {
                     None => None,
                 };
                 // Only a record that was written is corrected later.
-                let cap_worst = match cap_worst {
+                let cap_worst = match call_worst {
                     Some(w) => match self.record_cap_spent(&d.entry_id, w).await {
                         CapRecord::Written => {
                             lock(spent).cap_recorded = true;
@@ -640,14 +640,7 @@ impl Worker {
                 if let Some(d) = ticket.as_mut().and_then(|t| t.draw.as_mut()) {
                     d.mark_sent();
                 }
-                let cap_worst_of_call = match job.max_cost_usd {
-                    Some(_) => worst
-                        .get(plan.current_index())
-                        .and_then(|w| w.as_ref().ok())
-                        .copied(),
-                    None => None,
-                };
-                *lock(on_wire) = Some((cand.model.clone(), ticket, cap_worst_of_call));
+                *lock(on_wire) = Some((cand.model.clone(), ticket, call_worst));
                 let outcome = client.call(&body, &job.id).await;
                 let ticket = lock(on_wire).take().and_then(|(_, t, _)| t);
                 if lease.is_lost() {
