@@ -1,5 +1,6 @@
 //! The fleet-wide quotas of one call, in at most one round trip before it and one after
-//! it (rate room drawn from a block, `ratelimit::Blocks`, needs none): its
+//! it (room drawn from a rate block, `ratelimit::Blocks`, or a budget block,
+//! `budget::blocks`, needs none): its
 //! budget reservation ([`crate::budget`]) and its rpm / tpm admission
 //! ([`crate::ratelimit`]) are one script (`lua/quota_admit.lua`), all or nothing; its
 //! settlement (real cost, real tokens) is another (`lua/quota_settle.lua`).

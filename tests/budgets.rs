@@ -307,16 +307,27 @@ async fn reservations_of_a_killed_worker_expire() {
     let key = keys[0].clone();
     let h: HashMap<String, String> = conn.hgetall(&key).await.expect("HGETALL");
     assert_eq!(h.keys().filter(|f| f.starts_with("r:")).count(), 3, "{h:?}");
-    // ttl = 1 s timeout + 2 x 3 s slot ttl = 7 s: after it, a reservation by anyone sees
-    // the whole budget again (the script drops expired reservations as it reads them).
-    tokio::time::sleep(Duration::from_millis(7_500)).await;
-    let mut cfg2 = s.tc.parsed();
-    cfg2.queue.consumer = "probe".into();
-    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(cfg2.clone()));
-    let gate = llm_worker::gate::Gate::new(llm_worker::connect::commands(&cfg2).expect("pool"));
-    // The whole budget minus nothing: a reservation of the full limit fits.
+    // ttl = 1 s timeout + 2 x 3 s slot ttl + 1 s block life = 8 s: after it, a
+    // reservation by anyone sees the whole budget again (the script drops expired
+    // reservations as it reads them).
+    tokio::time::sleep(Duration::from_millis(8_500)).await;
+    whole_budget_is_free(&s.tc, s.limit).await;
+    let h: HashMap<String, String> = conn.hgetall(&key).await.expect("HGETALL");
+    assert_eq!(
+        h.keys().filter(|f| f.starts_with("r:")).count(),
+        1,
+        "expired ones dropped: {h:?}"
+    );
+}
+
+/// A reservation of the whole `limit` of m1's budget fits: nothing spent, nothing held.
+async fn whole_budget_is_free(tc: &TestConfig, limit: Decimal) {
+    let mut cfg = tc.parsed();
+    cfg.queue.consumer = "probe".into();
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(cfg.clone()));
+    let gate = llm_worker::gate::Gate::new(llm_worker::connect::commands(&cfg).expect("pool"));
     let ask = budgets
-        .ask("probe", "m1", None, s.limit)
+        .ask("probe", "m1", None, limit)
         .expect("fits the limit")
         .expect("covered");
     let r = gate
@@ -326,12 +337,6 @@ async fn reservations_of_a_killed_worker_expire() {
     assert!(
         matches!(r, llm_worker::gate::Answer::Admitted { .. }),
         "the whole budget is free again: {r:?}"
-    );
-    let h: HashMap<String, String> = conn.hgetall(&key).await.expect("HGETALL");
-    assert_eq!(
-        h.keys().filter(|f| f.starts_with("r:")).count(),
-        1,
-        "expired ones dropped: {h:?}"
     );
 }
 
@@ -908,4 +913,206 @@ async fn a_call_aborted_at_shutdown_is_carried_at_its_worst_case() {
         unknown >= worst,
         "the aborted call is carried at {unknown}, its worst case is {worst}"
     );
+}
+
+/// Budget blocks (issue 10: "the performance benchmark's figures must still hold with
+/// budgets configured"): with a budget far above the load, the calls of a busy model
+/// draw on blocks of several worst cases reserved at once, so most calls run no quota
+/// script. Nothing is lost by it: once the worker has stopped, the window's `spent` is
+/// exactly the sum of the results' costs and no reservation is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_blocks_count_every_calls_real_cost_with_few_scripts() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 0,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 16;
+    tc.slots = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let plain = tc.write(dir.path(), "plain.toml");
+    tc.extra = "[budgets.big]\nusd_per_day = \"1000000\"\non_exhausted = \"fail\"\n".into();
+    let budgeted = tc.write(dir.path(), "budget.toml");
+    let n = 400;
+    let jobs = |batch: &str| -> Vec<String> {
+        (0..n)
+            .map(|i| {
+                serde_json::json!({"id": format!("{batch}-{i}"), "model": "m1", "messages": [{"role": "user", "content": format!("hello {i}")}], "max_tokens": 16})
+                    .to_string()
+            })
+            .collect()
+    };
+    let mut conn = redis.conn().await;
+    // The same jobs twice: without a budget (the scripts every job runs anyway), then with.
+    let mut scripts = vec![];
+    for (batch, cfg) in [("plain", &plain), ("budget", &budgeted)] {
+        let before = calls_of(&mut conn, "evalsha").await;
+        let have = xlen(&mut conn, "{llm}:results").await;
+        push(&mut conn, "llm", &jobs(batch)).await;
+        let mut w = WorkerProc::spawn(cfg, batch, &[]);
+        let got = wait_len(&mut conn, "{llm}:results", have + n as u64, T).await;
+        context(got, &[&w]).expect("results");
+        // The last blocks settle as the worker stops.
+        stop_clean(&mut w, T).await;
+        scripts.push(calls_of(&mut conn, "evalsha").await - before);
+    }
+    let results = entries(&mut conn, "{llm}:results").await;
+    let budget_costs: Decimal = results
+        .iter()
+        .filter(|(_, r)| r["job_id"].starts_with("budget-"))
+        .map(|(_, r)| {
+            assert_eq!(r["status"], "ok", "{r:?}");
+            cost_of(r)
+        })
+        .sum();
+    let keys: Vec<String> = conn.keys("{llm}:budget:*").await.expect("KEYS");
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let h: HashMap<String, String> = conn.hgetall(&keys[0]).await.expect("HGETALL");
+    let spent = llm_worker::cost::from_picos(h["spent"].parse().expect("spent"));
+    let per_job = (scripts[1] as f64 - scripts[0] as f64) / n as f64;
+    eprintln!(
+        "{n} jobs per batch: scripts {} without a budget, {} with ({per_job:.2} more per job); window spent {spent}, results' costs {budget_costs}",
+        scripts[0], scripts[1]
+    );
+    assert!(budget_costs > Decimal::ZERO, "the calls cost something");
+    assert_eq!(spent, budget_costs, "settled = billed, to the pico-dollar");
+    assert_eq!(
+        h.keys().filter(|f| f.starts_with("r:")).count(),
+        0,
+        "no reservation is left: {h:?}"
+    );
+    assert_eq!(h.get("h").map(String::as_str), Some("0"), "{h:?}");
+    // A script before and after every call was 2 more per job.
+    assert!(per_job < 0.5, "{per_job:.2} budget scripts per job");
+}
+
+/// A budget of 2,000 worst cases (blocks reserve up to 1/1,000 of it, so here 2 calls at
+/// once) and 3,000 jobs, 32 at a time, with `on_exhausted = "fail"`: blocks never let the
+/// fleet spend past the limit, what a block reserves but does not use goes back, and the
+/// window counts exactly what the results cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_blocks_spend_a_budget_to_its_end_and_never_past_it() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 0,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 32;
+    tc.slots = 32;
+    let job = |i: usize| {
+        serde_json::json!({"id": format!("b-{i:04}"), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
+            .to_string()
+    };
+    // Prompts free (the worker gets the same price below): a call's worst case is its
+    // 16 output tokens, what the simulated model mostly answers.
+    let mut parsed = tc.parsed();
+    parsed.models.get_mut("m1").expect("m1").input_per_mtok = Decimal::ZERO;
+    let w1 = worst_of(&parsed, &job(0), "m1");
+    let limit = w1 * Decimal::from(2_000);
+    tc.extra = format!("[budgets.k]\nusd_per_day = \"{limit}\"\non_exhausted = \"fail\"\n");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let n = 3_000;
+    // Same bytes for every job (ids of equal length): one worst case for all.
+    let all: Vec<String> = (0..n).map(job).collect();
+    push(&mut conn, "llm", &all).await;
+    let mut w = WorkerProc::spawn(
+        &cfg,
+        "w1",
+        &[("LLM_WORKER__MODELS__M1__INPUT_PER_MTOK", "0")],
+    );
+    let got = wait_len(
+        &mut conn,
+        "{llm}:results",
+        n as u64,
+        Duration::from_secs(120),
+    )
+    .await;
+    context(got, &[&w]).expect("results");
+    stop_clean(&mut w, T).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let costs: Decimal = results.iter().map(|(_, r)| cost_of(r)).sum();
+    let ok = results.iter().filter(|(_, r)| r["status"] == "ok").count();
+    let refused = results.len() - ok;
+    let keys: Vec<String> = conn.keys("{llm}:budget:*").await.expect("KEYS");
+    let h: HashMap<String, String> = conn.hgetall(&keys[0]).await.expect("HGETALL");
+    let spent = llm_worker::cost::from_picos(h["spent"].parse().expect("spent"));
+    eprintln!(
+        "{ok} ok, {refused} refused; spent {spent} of {limit} (left {}, one worst case {w1})",
+        limit - spent
+    );
+    assert!(spent <= limit, "spent {spent} > limit {limit}");
+    assert_eq!(spent, costs, "settled = billed");
+    assert!(refused > 0, "the budget ran out: {ok} ok");
+    for (_, r) in results.iter().filter(|(_, r)| r["status"] != "ok") {
+        assert!(r["error"].starts_with("budget: k"), "{r:?}");
+    }
+    // A job is refused only while the calls in flight (32 at most) hold their worst
+    // cases: what a block reserved and did not use went back.
+    assert!(
+        limit - spent < w1 * Decimal::from(32),
+        "refused with {} left, more than 32 worst cases of {w1}",
+        limit - spent
+    );
+    assert_eq!(
+        h.keys().filter(|f| f.starts_with("r:")).count(),
+        0,
+        "no reservation is left: {h:?}"
+    );
+}
+
+/// A worker killed while its calls draw on a budget block (several calls' worst cases in
+/// one reservation) leaves that reservation to expire like a single call's: after the
+/// reservation's ttl the whole budget is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_budget_block_expires() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 20_000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 8;
+    tc.slots = 8;
+    let limit = Decimal::from(1_000);
+    tc.extra = format!("[budgets.big]\nusd_per_day = \"{limit}\"\non_exhausted = \"fail\"\n");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let env = [
+        ("LLM_WORKER__PROVIDERS__P1__TIMEOUT_MS", "5000"),
+        ("LLM_WORKER__PROVIDERS__P2__TIMEOUT_MS", "5000"),
+    ];
+    let mut conn = redis.conn().await;
+    let jobs: Vec<String> = (0..6).map(payload).collect();
+    push(&mut conn, "llm", &jobs).await;
+    let w = WorkerProc::spawn(&cfg, "w1", &env);
+    let one = worst(&tc.parsed(), 0, "m1");
+    let one = llm_worker::cost::to_picos(one).expect("picos");
+    // Six calls on the wire, some of them in a block (a reservation of more than one
+    // worst case).
+    let on_wire = in_flight_at_least(&sim, 6, Duration::from_secs(4)).await;
+    assert!(on_wire, "six calls\n{}", w.log());
+    w.signal("KILL");
+    let keys: Vec<String> = conn.keys("{llm}:budget:*").await.expect("KEYS");
+    let key = keys[0].clone();
+    let h: HashMap<String, String> = conn.hgetall(&key).await.expect("HGETALL");
+    let amounts: Vec<i64> = h
+        .iter()
+        .filter(|(f, _)| f.starts_with("r:"))
+        .map(|(_, v)| v.split('|').next().unwrap().parse().unwrap())
+        .collect();
+    eprintln!("reservations at the kill: {amounts:?} (one worst case {one})");
+    assert!(
+        amounts.iter().any(|a| *a > one),
+        "a block reserved several worst cases: {amounts:?}"
+    );
+    // ttl = 5 s timeout + 2 x 3 s slot ttl + 1 s block life = 12 s.
+    tokio::time::sleep(Duration::from_millis(12_500)).await;
+    whole_budget_is_free(&tc, limit).await;
 }

@@ -637,8 +637,13 @@ impl Worker {
                 );
                 let call_started = Instant::now();
                 let mut ticket = ticket;
-                if let Some(d) = ticket.as_mut().and_then(|t| t.draw.as_mut()) {
-                    d.mark_sent();
+                if let Some(t) = ticket.as_mut() {
+                    if let Some(d) = t.draw.as_mut() {
+                        d.mark_sent();
+                    }
+                    if let Some(d) = t.budget.as_mut() {
+                        d.mark_sent();
+                    }
                 }
                 *lock(on_wire) = Some((cand.model.clone(), ticket, call_worst));
                 let outcome = client.call(&body, &job.id).await;
@@ -1278,10 +1283,9 @@ impl Drop for FetchGuard<'_> {
     }
 }
 
-/// A call's reservation (with its worst case) and its share of a rate block, to settle
-/// after it.
+/// A call's share of a budget block and of a rate block, to settle after it.
 pub(super) struct Ticket {
-    reservation: Option<(crate::budget::Reservation, rust_decimal::Decimal)>,
+    budget: Option<crate::budget::blocks::Draw>,
     draw: Option<crate::ratelimit::Draw>,
 }
 
@@ -1329,6 +1333,32 @@ impl Worker {
         } else {
             None
         };
+        // The budget room drawn from this process's block for the call's windows when it
+        // has some; else this call reserves the next block (the others wait for it).
+        let mut bdraw = None;
+        let mut bfetch = None;
+        if let Some(b) = &budget {
+            let cover = b.cover();
+            loop {
+                let changed = self.budget_blocks.changed();
+                let (t, closed) = self.budget_blocks.take(&cover, b.amount());
+                self.settle_budget_blocks(closed);
+                match t {
+                    crate::budget::blocks::Take::Drawn(d) => bdraw = Some(d),
+                    crate::budget::blocks::Take::Fetch(f) => bfetch = Some(f),
+                    crate::budget::blocks::Take::Wait => {
+                        // Bounded: a reservation stuck on Redis is retried by its own call.
+                        tokio::select! {
+                            _ = changed => {}
+                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                            _ = self.draining.cancelled() => return Quota::Stopped,
+                        }
+                        continue;
+                    }
+                }
+                break;
+            }
+        }
         // The rate limits' room drawn from this process's block for the model when it has
         // some: then the script only reserves the budget, or does not run at all.
         let mut draw = None;
@@ -1362,12 +1392,22 @@ impl Worker {
             }
         }
         let rate = rate.filter(|_| draw.is_none());
+        let budget = budget.filter(|_| bdraw.is_none());
         if budget.is_none() && rate.is_none() {
-            return Quota::Yes(draw.map(|d| Ticket {
-                reservation: None,
-                draw: Some(d),
+            if bdraw.is_none() && draw.is_none() {
+                return Quota::Yes(None);
+            }
+            return Quota::Yes(Some(Ticket {
+                budget: bdraw,
+                draw,
             }));
         }
+        // A budget block: room for as many calls as the last block served, twice over,
+        // within its windows' bound.
+        let mut kb = budget
+            .as_ref()
+            .map_or(1, |b| self.budget_blocks.size(&b.cover(), b.max_block()));
+        let mut budget = budget;
         // Else a block: room for as many calls as the last block served, twice over.
         let mut k = rate
             .as_ref()
@@ -1375,6 +1415,7 @@ impl Worker {
         let mut backoff = Backoff::redis();
         loop {
             let ask = rate.as_ref().map(|r| r.block(k));
+            budget = budget.map(|b| b.block(kb));
             let sent = Instant::now();
             match self
                 .gate
@@ -1382,14 +1423,23 @@ impl Worker {
                 .await
             {
                 Ok(Answer::Admitted { ms, .. }) => {
+                    // The budget block reserved: opened, this call drawn on it.
+                    if let (Some(b), Some(f)) = (budget.take(), bfetch.take()) {
+                        let (k, total, worst) = (b.k(), b.total(), b.amount());
+                        let (d, closed) =
+                            self.budget_blocks.open(f, b.reservation(), k, total, worst);
+                        self.settle_budget_blocks(closed);
+                        bdraw = Some(d);
+                    }
                     let draw = match (draw, ask) {
                         (Some(d), _) if !d.usable() => {
                             // The budget script took past the second the room was counted
                             // in (Redis away): this room is stale. Everything goes back
-                            // and the call is admitted afresh.
+                            // (the budget block stays open for the next calls) and the
+                            // call is admitted afresh.
                             self.settle_blocks(self.rate_blocks.undo(d));
-                            if let Some(b) = budget {
-                                self.spawn_settle(Some(b.reservation()), 0, None, None, None);
+                            if let Some(d) = bdraw {
+                                self.settle_budget_blocks(self.budget_blocks.undo(d));
                             }
                             return Quota::Again;
                         }
@@ -1413,14 +1463,16 @@ impl Worker {
                         (None, None) => None,
                     };
                     return Quota::Yes(Some(Ticket {
-                        reservation: budget.map(|b| {
-                            let worst = b.worst();
-                            (b.reservation(), worst)
-                        }),
+                        budget: bdraw,
                         draw,
                     }));
                 }
                 Ok(Answer::Budget { i, left }) => {
+                    if kb > 1 {
+                        // No room for a block: room for this call alone may remain.
+                        kb = 1;
+                        continue;
+                    }
                     // The room drawn for this call goes back to its block.
                     if let Some(d) = draw {
                         self.settle_blocks(self.rate_blocks.undo(d));
@@ -1452,6 +1504,9 @@ impl Worker {
                         if let Some(d) = draw {
                             self.settle_blocks(self.rate_blocks.undo(d));
                         }
+                        if let Some(d) = bdraw {
+                            self.settle_budget_blocks(self.budget_blocks.undo(d));
+                        }
                         return Quota::Stopped;
                     }
                 }
@@ -1466,10 +1521,20 @@ impl Worker {
         if let Some(d) = t.draw {
             self.settle_blocks(self.rate_blocks.settle(d, used));
         }
-        if let Some((reservation, worst)) = t.reservation {
-            let cost = real.unwrap_or(worst);
-            let picos = crate::cost::to_picos(cost).unwrap_or(0);
-            self.spawn_settle(Some(reservation), picos, None, None, None);
+        if let Some(d) = t.budget {
+            // A cost not representable in pico-dollars counts at the worst case.
+            let picos = real.map(|c| crate::cost::to_picos(c).unwrap_or(d.worst()));
+            self.settle_budget_blocks(self.budget_blocks.settle(d, picos));
+        }
+    }
+
+    /// Sends the settles of closed budget blocks (see [`crate::budget::blocks`]).
+    fn settle_budget_blocks(
+        &self,
+        closed: impl IntoIterator<Item = crate::budget::blocks::BlockSettle>,
+    ) {
+        for b in closed {
+            self.spawn_settle(Some(b.reservation), b.cost_picos, None, None, None);
         }
     }
 
@@ -1484,6 +1549,7 @@ impl Worker {
     /// sends their corrections.
     pub(super) fn sweep_rate_blocks(&self, all: bool) {
         self.settle_blocks(self.rate_blocks.sweep(all));
+        self.settle_budget_blocks(self.budget_blocks.sweep(all));
     }
 
     /// One settle script (`gate::Gate::settle`) in a task of its own (tracked like slot

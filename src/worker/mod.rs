@@ -102,6 +102,8 @@ pub struct Worker {
     gate: crate::gate::Gate,
     /// Fleet-wide rate room admitted for several calls at once, drawn on locally.
     rate_blocks: crate::ratelimit::Blocks,
+    /// This process's budget blocks (several calls' worst cases reserved at once).
+    budget_blocks: crate::budget::blocks::Blocks,
     /// Models and providers the fleet routes around for a while.
     pub cooldowns: crate::cooldown::Cooldowns,
     /// Tenant places under `pools.<p>.max_per_tenant` (admit or park before a slot).
@@ -210,6 +212,7 @@ impl Worker {
             rates,
             gate,
             rate_blocks: crate::ratelimit::Blocks::default(),
+            budget_blocks: crate::budget::blocks::Blocks::default(),
             cooldowns,
             tenants,
             model_metrics: cfg_models

@@ -11,10 +11,13 @@
 //!   one script, so concurrent calls of the whole fleet overshoot a budget only by what a
 //!   provider bills beyond the worst case reserved (see [`crate::quota`] for the bound);
 //! - a reservation lives the longest provider timeout plus two slot TTLs (the call, and a
-//!   stall between its answer and the settle): a
+//!   stall between its answer and the settle) plus a block's life ([`blocks`]: a busy
+//!   cover reserves for several calls at once, drawn on for up to a second): a
 //!   worker killed mid-call frees its reservations when they expire; settling is
 //!   idempotent (only a window that still holds the reservation counts the cost);
 //! - amounts are whole pico-dollars (i64), as everywhere else in the money path.
+
+pub mod blocks;
 
 use crate::config::{BudgetConfig, Config, OnExhausted};
 use crate::cost::{self, civil_from_days, days_from_civil};
@@ -68,11 +71,51 @@ pub struct BudgetAsk {
     windows: Vec<Window>,
     amount: i64,
     worst: Decimal,
+    /// Calls reserved for (a block, see [`blocks`]): `k` times the amount.
+    k: u64,
 }
 
 impl BudgetAsk {
     pub(crate) fn keys(&self) -> impl Iterator<Item = &str> {
         self.windows.iter().map(|w| w.key.as_str())
+    }
+    /// The windows it covers, as one string: calls with the same cover can share a block.
+    pub fn cover(&self) -> String {
+        let mut s = String::new();
+        for w in &self.windows {
+            s.push_str(&w.key);
+            s.push('\n');
+        }
+        s
+    }
+    /// One call's worst case, pico-dollars.
+    pub fn amount(&self) -> i64 {
+        self.amount
+    }
+    /// The most calls a block of this ask may reserve for: [`blocks::MAX_BLOCK`], and
+    /// never more than 1/[`blocks::LIMIT_SHARE`] of any window's limit (at least 1).
+    pub fn max_block(&self) -> u64 {
+        let per = self.amount.max(1).saturating_mul(blocks::LIMIT_SHARE);
+        self.windows
+            .iter()
+            .map(|w| cost::to_picos(w.limit).unwrap_or(i64::MAX) / per)
+            .min()
+            .unwrap_or(1)
+            .clamp(1, blocks::MAX_BLOCK as i64) as u64
+    }
+    /// The same ask for a block of `k` calls' worst cases (`k` at most
+    /// [`BudgetAsk::max_block`]).
+    pub fn block(mut self, k: u64) -> BudgetAsk {
+        self.k = k.max(1);
+        self
+    }
+    /// Calls reserved for.
+    pub fn k(&self) -> u64 {
+        self.k
+    }
+    /// Pico-dollars reserved: `k` worst cases.
+    pub fn total(&self) -> i64 {
+        self.amount.saturating_mul(self.k as i64)
     }
     /// Per window: limit, amount (pico-dollars), key expiry (unix ms).
     pub(crate) fn args(&self) -> Vec<i64> {
@@ -81,7 +124,7 @@ impl BudgetAsk {
             .flat_map(|w| {
                 [
                     cost::to_picos(w.limit).unwrap_or(i64::MAX),
-                    self.amount,
+                    self.total(),
                     i64::try_from(w.expire_at_ms).unwrap_or(i64::MAX),
                 ]
             })
@@ -127,7 +170,7 @@ impl Budgets {
             .map(|p| p.timeout_ms)
             .max()
             .unwrap_or(Duration::from_secs(60));
-        let ttl = longest_call + cfg.slots.ttl_ms * 2;
+        let ttl = longest_call + cfg.slots.ttl_ms * 2 + blocks::BLOCK_LIFE;
         Budgets { cfg, ttl }
     }
 
@@ -136,7 +179,8 @@ impl Budgets {
         self.cfg.budgets.is_empty()
     }
 
-    /// How long a reservation lives (the longest call plus two slot TTLs), in ms.
+    /// How long a reservation lives (the longest call plus two slot TTLs, plus the life
+    /// of a block: its last call may start that late), in ms.
     pub fn ttl_ms(&self) -> u64 {
         u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX)
     }
@@ -169,6 +213,7 @@ impl Budgets {
             windows,
             amount,
             worst,
+            k: 1,
         }))
     }
 
