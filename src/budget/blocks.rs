@@ -34,6 +34,9 @@ pub const LIMIT_SHARE: i64 = 1000;
 /// longer than a single call's (see [`super::Budgets::ttl_ms`]).
 pub const BLOCK_LIFE: Duration = Duration::from_secs(1);
 
+/// Block sizes remembered at most (one per cover: a model and tenant, per UTC day).
+const MAX_COVERS: usize = 4096;
+
 /// What [`Blocks::take`] found.
 pub enum Take {
     /// Room drawn from the cover's block.
@@ -353,6 +356,10 @@ impl Inner {
         } else {
             b.drawn.saturating_mul(2)
         };
+        if self.size.len() >= MAX_COVERS && !self.size.contains_key(&b.cover) {
+            // Covers name their day: yesterday's sizes are of no use (bounded memory).
+            self.size.clear();
+        }
         self.size.insert(b.cover.clone(), next.clamp(1, MAX_BLOCK));
         if b.outstanding == 0 {
             out.push(b.settled());
