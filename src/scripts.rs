@@ -123,6 +123,16 @@ pub static TENANT_ADMIT: LazyLock<Script> = LazyLock::new(|| {
         include_str!("../lua/tenant_admit.lua")
     ))
 });
+/// A job paused by a budget covering some jobs parked (same move as a hand-back).
+pub static BUDGET_PARK: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("../lua/key_types.lua"),
+        include_str!("../lua/move_entry.lua"),
+        include_str!("../lua/budget_park.lua")
+    ))
+});
+/// Jobs parked by a budget moved back, as many as it has room for.
+pub static BUDGET_UNPARK: LazyLock<Script> = with_prelude!("key_types.lua", "budget_unpark.lua");
 /// A tenant place given back; parked jobs moved back for the free places.
 pub static TENANT_RELEASE: LazyLock<Script> =
     with_prelude!("tenant_clock.lua", "tenant_release.lua");

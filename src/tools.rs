@@ -549,6 +549,21 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
             "parked": parked,
         }));
     }
+    // Jobs parked by budgets that pause only some jobs, per budget and whose windows.
+    let bparked: BTreeMap<String, String> = c
+        .hgetall(keys.budget_parked_index())
+        .await
+        .unwrap_or_default();
+    let mut budget_parked = vec![];
+    for (stream, v) in bparked {
+        let at: Value = serde_json::from_str(&v).unwrap_or(Value::Null);
+        let n: u64 = c.xlen(&stream).await.unwrap_or(0);
+        budget_parked.push(json!({
+            "budget": at["budget"],
+            "who": at["who"],
+            "parked": n,
+        }));
+    }
     // Anything but noeviction lets a full Redis evict slot keys, pending jobs, markers.
     let policy: Result<Vec<String>, _> = redis::cmd("CONFIG")
         .arg("GET")
@@ -578,6 +593,7 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         "cooldowns": cooldowns,
         "key_check": key_check,
         "tenants": tenants,
+        "budget_parked": budget_parked,
     }))
 }
 
@@ -684,6 +700,15 @@ pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
             t["places_held"],
             t["cap"],
             t["parked"]
+        )?;
+    }
+    for b in v["budget_parked"].as_array().into_iter().flatten() {
+        writeln!(
+            out,
+            "budget {:<13} {}: {} jobs parked until it has room",
+            b["budget"].as_str().unwrap_or(""),
+            b["who"].as_str().unwrap_or(""),
+            b["parked"]
         )?;
     }
     for c in v["cooldowns"].as_array().into_iter().flatten() {

@@ -1116,3 +1116,152 @@ async fn a_killed_workers_budget_block_expires() {
     tokio::time::sleep(Duration::from_millis(12_500)).await;
     whole_budget_is_free(&tc, limit).await;
 }
+
+/// `pause` for a budget that covers only some jobs (issue 10: "stop taking jobs covered
+/// by the budget (they wait in the stream)"): with 2 permits, ten jobs of a tenant whose
+/// budget is spent used to hold both permits while they waited, and the other tenants'
+/// jobs behind them never ran. Now each is parked (moved, like a hand-back, to the
+/// budget's parked stream, holding no permit), the others run, and once the budget has
+/// room again any worker moves them back and each runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_pausing_one_tenant_parks_its_jobs_and_moves_them_back_when_it_has_room() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 50,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 2;
+    tc.slots = 4;
+    tc.extra =
+        "[budgets.acme]\nusd_per_day = \"1\"\ntenant = \"acme\"\non_exhausted = \"pause\"\n".into();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // acme's window is spent already.
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
+    let windows = budgets.windows_of(&llm_worker::budget::ParkAt {
+        budget: "acme".into(),
+        who: "t=acme".into(),
+        need: 0,
+    });
+    assert_eq!(windows.len(), 1, "{windows:?}");
+    let (window, limit) = windows[0].clone();
+    let _: () = conn.hset(&window, "spent", limit).await.expect("HSET");
+    let acme: Vec<String> = (0..10)
+        .map(|i| serde_json::json!({"id": format!("a-{i}"), "tenant": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}).to_string())
+        .collect();
+    let others: Vec<String> = (0..5)
+        .map(|i| serde_json::json!({"id": format!("o-{i}"), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}).to_string())
+        .collect();
+    push(&mut conn, "llm", &acme).await;
+    push(&mut conn, "llm", &others).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let got = wait_len(&mut conn, "{llm}:results", 5, Duration::from_secs(20)).await;
+    context(got, &[&w]).expect("the other tenants' jobs run");
+    let parked = "{llm}:bparked:acme:t=acme";
+    let got = wait_len(&mut conn, parked, 10, Duration::from_secs(10)).await;
+    context(got, &[&w]).expect("acme's jobs parked");
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert!(
+        results
+            .iter()
+            .all(|(_, r)| r["job_id"].starts_with("o-") && r["status"] == "ok"),
+        "{results:?}"
+    );
+    assert!(
+        w.log().contains("job parked until it has room"),
+        "{}",
+        w.log()
+    );
+    stop_clean(&mut w, T).await;
+    assert_eq!(
+        xlen(&mut conn, parked).await,
+        10,
+        "still parked with no worker"
+    );
+    let st = llm_worker::tools::status(&tc.parsed())
+        .await
+        .expect("status");
+    assert_eq!(
+        st["budget_parked"],
+        serde_json::json!([{"budget": "acme", "who": "t=acme", "parked": 10}]),
+        "{st}"
+    );
+    let calls_before = calls_to(&sim, "m1");
+    assert_eq!(calls_before, 5, "no call for a parked job");
+
+    // Room again (a new day, a raised limit): any worker moves them back, each runs once.
+    let _: () = conn.hset(&window, "spent", 0).await.expect("HSET");
+    let mut w2 = WorkerProc::spawn(&cfg, "w2", &[]);
+    let got = wait_len(&mut conn, "{llm}:results", 15, T).await;
+    context(got, &[&w2]).expect("all 15");
+    stop_clean(&mut w2, T).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    let mut ids: Vec<&str> = results.iter().map(|(_, r)| r["job_id"].as_str()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 15, "one result per job: {results:?}");
+    assert!(
+        results.iter().all(|(_, r)| r["status"] == "ok"),
+        "{results:?}"
+    );
+    let left: bool = conn.exists(parked).await.expect("EXISTS");
+    assert!(!left, "the parked stream is gone");
+    let index: HashMap<String, String> = conn.hgetall("{llm}:bparked").await.expect("HGETALL");
+    assert!(index.is_empty(), "{index:?}");
+    assert_eq!(calls_to(&sim, "m1"), 15, "one call per job");
+}
+
+/// A key of the wrong type where a budget parks its jobs (`{llm}:bparked` a string): the
+/// park script checks every key before its first write, so the job is neither moved nor
+/// lost; it waits in the worker (the log names the key), and is parked once the key is
+/// fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_park_key_of_the_wrong_type_keeps_the_job_and_names_the_key() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.extra =
+        "[budgets.acme]\nusd_per_day = \"1\"\ntenant = \"acme\"\non_exhausted = \"pause\"\n".into();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
+    let (window, limit) = budgets.windows_of(&llm_worker::budget::ParkAt {
+        budget: "acme".into(),
+        who: "t=acme".into(),
+        need: 0,
+    })[0]
+        .clone();
+    let _: () = conn.hset(&window, "spent", limit).await.expect("HSET");
+    let _: () = conn.set("{llm}:bparked", "x").await.expect("SET");
+    let job = serde_json::json!({"id": "a-0", "tenant": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16});
+    push(&mut conn, "llm", &[job.to_string()]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let named = wait_log(
+        &w,
+        "cannot park the job paused by its budget",
+        Duration::from_secs(15),
+    )
+    .await;
+    assert!(named, "{}", w.log());
+    assert!(w.log().contains("{llm}:bparked"), "{}", w.log());
+    let parked = "{llm}:bparked:acme:t=acme";
+    assert_eq!(xlen(&mut conn, parked).await, 0);
+    assert_eq!(
+        xlen(&mut conn, "{llm}:jobs").await,
+        1,
+        "the job is still there"
+    );
+    let _: () = conn.del("{llm}:bparked").await.expect("DEL");
+    let got = wait_len(&mut conn, parked, 1, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("parked once the key is fixed");
+    stop_clean(&mut w, T).await;
+    assert_eq!(
+        xlen(&mut conn, "{llm}:results").await,
+        0,
+        "no result: it waits"
+    );
+}

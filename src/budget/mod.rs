@@ -44,6 +44,8 @@ pub enum BudgetError {
         /// The budget covers every model and the whole fleet (no tenant): pausing the
         /// reader stops nothing it does not cover.
         covers_all: bool,
+        /// Where a job it pauses is parked when it does not cover all (see [`ParkAt`]).
+        park: ParkAt,
     },
     #[error("budget: the call's worst case is not computable: {0} (the model is skipped)")]
     Uncomputable(String),
@@ -55,6 +57,16 @@ pub enum BudgetError {
 
 from_cause!(BudgetError, BudgetError::Redis, redis::RedisError);
 from_cause!(BudgetError, BudgetError::Pool, deadpool_redis::PoolError);
+
+/// A budget's parked jobs (those it paused while it covers only some jobs): its name,
+/// whose windows (`*` or `t=<tenant>`), and one parked job's worst case (pico-dollars),
+/// the room that moves one back.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParkAt {
+    pub budget: String,
+    pub who: String,
+    pub need: i64,
+}
 
 /// One live reservation: settled by `gate::Gate::settle`.
 #[derive(Debug, Clone)]
@@ -149,6 +161,8 @@ struct Window {
     /// `d:YYYY-MM-DD` or `m:YYYY-MM`.
     period: String,
     key: String,
+    /// `*` or `t=<tenant>`.
+    who: String,
     limit: Decimal,
     /// Unix ms after which the key may go: the window's end plus a week.
     expire_at_ms: u64,
@@ -215,6 +229,27 @@ impl Budgets {
             worst,
             k: 1,
         }))
+    }
+
+    /// The windows of budget `at.budget` for `at.who` now, with their limits in
+    /// pico-dollars (for moving its parked jobs back); empty if the budget is gone.
+    pub fn windows_of(&self, at: &ParkAt) -> Vec<(String, i64)> {
+        let Some(b) = self.cfg.budgets.get(&at.budget) else {
+            return vec![];
+        };
+        periods(b, cost::unix_now_ms())
+            .into_iter()
+            .map(|(period, limit, _)| {
+                (
+                    format!(
+                        "{}{}:{period}",
+                        key_prefix(&self.cfg.queue.namespace, &at.budget),
+                        at.who
+                    ),
+                    cost::to_picos(limit).unwrap_or(i64::MAX),
+                )
+            })
+            .collect()
     }
 
     /// What `on_exhausted` says when window `i` (from 0) of `ask` had only `left_picos`.
@@ -320,6 +355,11 @@ fn exhausted(
     };
     metrics::counter!("llm_worker_budget_exhausted_total", "budget" => w.name.clone()).increment(1);
     BudgetError::Exhausted {
+        park: ParkAt {
+            budget: w.name.clone(),
+            who: w.who.clone(),
+            need: cost::to_picos(worst).unwrap_or(i64::MAX),
+        },
         name: w.name.clone(),
         window: w.period.clone(),
         left: cost::format_usd(left),
@@ -383,6 +423,7 @@ fn windows(cfg: &Config, model: &str, tenant: Option<&str>, now_ms: u64) -> Vec<
             out.push(Window {
                 name: name.clone(),
                 key: format!("{}{who}:{period}", key_prefix(&cfg.queue.namespace, name)),
+                who: who.clone(),
                 period,
                 limit,
                 expire_at_ms: end + 7 * 86_400_000,

@@ -192,6 +192,16 @@ impl Keys {
     pub fn parked_index(&self) -> String {
         format!("{}:parked", self.prefix)
     }
+    /// Jobs paused by budget `name` for `who` (`*` or `t=<tenant>`, as its windows), when
+    /// the budget covers only some jobs: a stream, like a tenant's parked stream.
+    pub fn budget_parked(&self, name: &str, who: &str) -> String {
+        format!("{}:bparked:{name}:{who}", self.prefix)
+    }
+    /// Index of the budget parked streams (hash: stream key -> JSON
+    /// `{"budget", "who", "need"}`, see `lua/budget_unpark.lua`).
+    pub fn budget_parked_index(&self) -> String {
+        format!("{}:bparked", self.prefix)
+    }
     /// The tenant holder clocks (hash: `<pool>:<tenant>` -> server ms of the last tenant
     /// script; see `lua/tenant_clock.lua`).
     pub fn tenant_clock(&self) -> String {
@@ -242,6 +252,17 @@ pub enum TenantAdmit {
     Admitted,
     /// No place: the entry moved to the tenant's parked stream (this new id there),
     /// acknowledged and deleted here; it comes back when a place frees.
+    Parked(String),
+    /// Not pending under this consumer any more: nothing done.
+    NotOurs,
+    /// Deleted from the stream while pending: acknowledged.
+    Deleted,
+}
+
+/// What [`Queue::park_budget`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Park {
+    /// Moved to the budget's parked stream (this new id there), acknowledged here.
     Parked(String),
     /// Not pending under this consumer any more: nothing done.
     NotOurs,
@@ -1005,6 +1026,75 @@ impl Queue {
             "deleted" => TenantAdmit::Deleted,
             _ => TenantAdmit::NotOurs,
         })
+    }
+
+    /// Parks `entry_id`'s job, paused by a budget that covers only some jobs, in one step
+    /// (`lua/budget_park.lua`): moved like a hand-back (same fields, `deliveries`,
+    /// `billed`, marker release, tombstone) to the budget's parked `stream`, recorded in
+    /// the index under `field` with `value` (what `lua/budget_unpark.lua` needs).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn park_budget(
+        &self,
+        entry_id: &str,
+        job_id: Option<&str>,
+        deliveries: u64,
+        billed: Option<&[u8]>,
+        stream: &str,
+        value: &str,
+    ) -> Result<Park, QueueError> {
+        let keys = [stream.to_string(), self.keys.budget_parked_index()];
+        let mut inv = self.move_invocation(
+            &scripts::BUDGET_PARK,
+            entry_id,
+            job_id,
+            deliveries,
+            billed,
+            &keys,
+        );
+        inv.arg(stream).arg(value);
+        let mut conn = self.conn.get().await?;
+        let (kind, id): (String, String) = inv.invoke(&mut conn).await?;
+        Ok(match kind.as_str() {
+            "parked" => Park::Parked(id),
+            "deleted" => Park::Deleted,
+            _ => Park::NotOurs,
+        })
+    }
+
+    /// Moves back to the jobs stream's tail as many of `stream`'s parked jobs as its
+    /// budget's `windows` (key, limit in pico-dollars) have room for at `need` each, at
+    /// most `max` (`lua/budget_unpark.lua`). Returns how many moved.
+    pub async fn unpark_budget(
+        &self,
+        stream: &str,
+        need: i64,
+        windows: &[(String, i64)],
+        max: u64,
+    ) -> Result<u64, QueueError> {
+        let mut inv = crate::scripts::Call::new(&scripts::BUDGET_UNPARK);
+        inv.key(&self.keys.jobs)
+            .key(stream)
+            .key(self.keys.budget_parked_index());
+        for (k, _) in windows {
+            inv.key(k);
+        }
+        inv.arg(stream).arg(need).arg(max);
+        for (_, limit) in windows {
+            inv.arg(*limit);
+        }
+        let mut conn = self.conn.get().await?;
+        let moved: u64 = inv.invoke(&mut conn).await?;
+        Ok(moved)
+    }
+
+    /// The budget parked streams and what each needs (`HGETALL` of the index).
+    pub async fn budget_parked(&self) -> Result<Vec<(String, String)>, QueueError> {
+        let mut conn = self.conn.get().await?;
+        let all: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(self.keys.budget_parked_index())
+            .query_async(&mut conn)
+            .await?;
+        Ok(all)
     }
 
     /// The queue's gauges for /metrics (one pipeline: XLEN of the jobs and dead streams,

@@ -53,6 +53,7 @@ impl Worker {
     pub(super) async fn watch_cancels(self: Arc<Self>, stop: CancellationToken) {
         let mut tick = tokio::time::interval(CANCEL_POLL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut sweeps = 0u64;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -61,6 +62,11 @@ impl Worker {
             // Rate blocks whose second ended while nothing drew on them: their corrections
             // go now, not at the model's next call.
             self.sweep_rate_blocks(false);
+            // Jobs parked by budgets that have room again go back, once a second.
+            sweeps += 1;
+            if sweeps % 2 == 0 && !self.budgets.is_empty() {
+                self.unpark_budgets().await;
+            }
             let watched: Vec<(String, String)> = lock(&self.stops)
                 .iter()
                 .filter(|(_, (_, t))| !t.is_cancelled())

@@ -590,17 +590,31 @@ impl Worker {
                         release_unused(lease).await;
                         break Finished::Failed(e);
                     }
-                    Quota::Pause(e, covers_all) => {
+                    Quota::Pause(e, park) => {
                         release_unused(lease).await;
-                        if covers_all {
-                            // Every job would wait for it: take no new ones meanwhile. A budget
-                            // covering some models or one tenant pauses only the jobs it
-                            // covers (each waits here; the reader goes on).
+                        let Some(at) = park else {
+                            // Every job would wait for it: take no new ones meanwhile.
                             self.pause_for_budget(&e);
+                            self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
+                                .await?;
+                            continue;
+                        };
+                        // A budget covering some models or one tenant: the job is parked
+                        // (it holds no permit while it waits; the jobs behind it go on).
+                        match self.park_for_budget(d, &job, &at, spent).await? {
+                            Some(true) => {
+                                lock(spent).parked = true;
+                                return None;
+                            }
+                            Some(false) => return None,
+                            None => {
+                                // Cannot park (a key of the wrong type, logged): it waits
+                                // here instead, holding its permit.
+                                self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
+                                    .await?;
+                                continue;
+                            }
                         }
-                        self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
-                            .await?;
-                        continue;
                     }
                     Quota::Wait(wait) => {
                         // No slot is held while a fleet-wide rate limit has no room. Limited
@@ -856,16 +870,7 @@ impl Worker {
         let member = self.tenants.new_member();
         let (gap_ms, transit_ms) = self.tenants.gap_and_transit_ms();
         loop {
-            let (called, billed) = {
-                let s = lock(spent);
-                (s.called, s.carry())
-            };
-            // As a hand-back: a delivery that never called a model is not one.
-            let deliveries = if called {
-                d.deliveries
-            } else {
-                d.deliveries.saturating_sub(1)
-            };
+            let (deliveries, billed) = moved_as(d, spent);
             let at = crate::queue::TenantPlace {
                 pool,
                 tenant,
@@ -1150,6 +1155,9 @@ fn within_cap(
 /// How long a budget settle is retried while Redis does not answer.
 const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 
+/// Most jobs parked by one budget moved back by one sweep of one worker.
+const UNPARK_MAX: u64 = 100;
+
 /// How often a job paused by a budget (`on_exhausted = "pause"`) checks it again.
 const BUDGET_PAUSE_POLL: Duration = Duration::from_secs(2);
 
@@ -1233,9 +1241,9 @@ enum Quota {
     Skip(String),
     /// The job fails with this (`fail`).
     Fail(String),
-    /// Wait and try again (`pause`); `true` = the budget covers every job (the reader
-    /// then takes no new jobs meanwhile).
-    Pause(String, bool),
+    /// `pause`: `None` = the budget covers every job (wait and try again; the reader takes
+    /// no new jobs meanwhile); else the job is parked there until the budget has room.
+    Pause(String, Option<crate::budget::ParkAt>),
     /// A rate limit has no room: try again after this long (or another model).
     Wait(Duration),
     /// Draining: the job is left for hand-back.
@@ -1613,6 +1621,104 @@ impl Worker {
         });
     }
 
+    /// Parks `d`'s job, paused by the budget of `at` ([`Queue::park_budget`]), retried
+    /// while Redis does not answer. `Some(Some(true))`: parked; `Some(Some(false))`: not
+    /// ours any more (committed, taken over or deleted: nothing to do); `Some(None)`:
+    /// cannot be parked (a key of the wrong type: the job waits where it is); `None`:
+    /// draining began first (the job is handed back).
+    async fn park_for_budget(
+        &self,
+        d: &Delivery,
+        job: &job::Job,
+        at: &crate::budget::ParkAt,
+        spent: &Mutex<Spent>,
+    ) -> Option<Option<bool>> {
+        let stream = self.queue.keys.budget_parked(&at.budget, &at.who);
+        let value = serde_json::to_string(at).unwrap_or_default();
+        let mut backoff = Backoff::redis();
+        loop {
+            let (deliveries, billed) = moved_as(d, spent);
+            let job_id = job.keyed.then_some(job.id.as_str());
+            match self
+                .queue
+                .park_budget(
+                    &d.entry_id,
+                    job_id,
+                    deliveries,
+                    billed.as_deref(),
+                    &stream,
+                    &value,
+                )
+                .await
+            {
+                Ok(crate::queue::Park::Parked(new)) => {
+                    tracing::info!(entry = %d.entry_id, parked = %new, budget = %at.budget, "budget exhausted; job parked until it has room");
+                    metrics::counter!("llm_worker_budget_parked_total", "budget" => at.budget.clone())
+                        .increment(1);
+                    return Some(Some(true));
+                }
+                Ok(crate::queue::Park::NotOurs) => {
+                    tracing::info!(entry = %d.entry_id, "job no longer ours (committed or taken over); left alone");
+                    return Some(Some(false));
+                }
+                Ok(crate::queue::Park::Deleted) => {
+                    tracing::warn!(entry = %d.entry_id, "job was deleted from the stream while pending; acknowledged");
+                    return Some(Some(false));
+                }
+                Err(e) if !e.heals() => {
+                    tracing::error!(entry = %d.entry_id, error = %e, "cannot park the job paused by its budget; it waits in this worker, holding a permit (fix the key named)");
+                    return Some(None);
+                }
+                Err(e) => {
+                    if backoff.failures() == 0 {
+                        tracing::warn!(entry = %d.entry_id, error = %e, "cannot park the job paused by its budget; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Moves back the jobs parked by budgets, as many as each budget has room for
+    /// (`lua/budget_unpark.lua`), once a second from every worker. Errors wait for the
+    /// next sweep.
+    pub(super) async fn unpark_budgets(&self) {
+        let parked = match self.queue.budget_parked().await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::debug!(error = %e, "budget parked streams not read; next sweep");
+                return;
+            }
+        };
+        for (stream, value) in parked {
+            let Ok(at) = serde_json::from_str::<crate::budget::ParkAt>(&value) else {
+                tracing::warn!(stream = %stream, "budget parked stream with an unreadable index entry; its jobs wait (fix or delete the field of {{ns}}:bparked)");
+                continue;
+            };
+            let windows = self.budgets.windows_of(&at);
+            // A budget no longer configured has no windows: its jobs go back (nothing
+            // pauses them now).
+            match self
+                .queue
+                .unpark_budget(&stream, at.need, &windows, UNPARK_MAX)
+                .await
+            {
+                Ok(0) => {}
+                Ok(n) => {
+                    tracing::info!(budget = %at.budget, moved = n, "budget has room: parked jobs moved back");
+                    metrics::counter!("llm_worker_budget_unparked_total", "budget" => at.budget.clone())
+                        .increment(n);
+                }
+                Err(e) => {
+                    tracing::warn!(stream = %stream, error = %e, "parked jobs not moved back; next sweep")
+                }
+            }
+        }
+    }
+
     /// A job found its budget exhausted with `on_exhausted = "pause"`: the reader takes
     /// no new jobs for the next poll period (one log line when the pause begins).
     fn pause_for_budget(&self, why: &str) {
@@ -1646,14 +1752,33 @@ impl Worker {
 /// How long a detached slot release may take.
 pub(super) const RELEASE_BOUND: Duration = Duration::from_secs(5);
 
-/// Gives back a slot taken for a call that will not start (draining began).
+/// What an entry moved like a hand-back (parked) carries: the deliveries that count (a
+/// delivery that never called a model is not one) and what it spent.
+fn moved_as(d: &Delivery, spent: &Mutex<Spent>) -> (u64, Option<Vec<u8>>) {
+    let s = lock(spent);
+    let deliveries = if s.called {
+        d.deliveries
+    } else {
+        d.deliveries.saturating_sub(1)
+    };
+    (deliveries, s.carry())
+}
+
 /// What a budget's `on_exhausted` makes of `e` (a budget that has no room for the call).
 fn on_exhausted(e: crate::budget::BudgetError) -> Quota {
     match e {
-        crate::budget::BudgetError::Exhausted { on, covers_all, .. } => match on {
+        crate::budget::BudgetError::Exhausted {
+            on,
+            covers_all,
+            ref park,
+            ..
+        } => match on {
             crate::config::OnExhausted::Fail => Quota::Fail(e.to_string()),
             crate::config::OnExhausted::Cheaper => Quota::Skip(e.to_string()),
-            crate::config::OnExhausted::Pause => Quota::Pause(e.to_string(), covers_all),
+            crate::config::OnExhausted::Pause => {
+                let park = (!covers_all).then(|| park.clone());
+                Quota::Pause(e.to_string(), park)
+            }
         },
         e => Quota::Skip(e.to_string()),
     }
