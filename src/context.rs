@@ -2,13 +2,14 @@
 //! the OpenAI model families it knows; a documented estimate otherwise) and, when the
 //! prompt plus the requested output exceed `[context] headroom` of the model's
 //! `context_window`, the job's policy applies: `trim` (drop the oldest non-system messages, keeping every
-//! system message, the last user turn and what follows it, and each assistant tool call
-//! together with its tool results), `fallback` (a later model with a larger window) or
+//! system message, the last user turn and the latest step of an agent loop after it, and
+//! each assistant tool call together with its tool results), `fallback` (a later model with a larger window) or
 //! `fail`.
 //!
 //! Invariants: pure (no IO); a prompt whose UTF-8 bytes plus the requested output fit is
 //! never tokenized (a token is at least one byte, so it fits); trimming never drops a
-//! system message, the last user turn, or half of a tool call / tool result pair.
+//! system message, the last user turn, the latest step after it, or half of a tool call /
+//! tool result pair.
 
 use crate::config::ContextPolicy;
 use serde_json::Value;
@@ -187,23 +188,33 @@ pub fn fit(
                 dropped,
             },
             None => Fit::Skip(format!(
-                "{why}, even trimmed to the system prompt and the last user turn"
+                "{why}, even trimmed to the system prompt, the last user turn and its latest step"
             )),
         },
     }
 }
 
 /// Droppable groups (oldest first) of `messages`: every message before the last user
-/// message that is not a system message; an assistant message with `tool_calls` and the
-/// `tool` messages that follow it form one group.
+/// message that is not a system message, then those after it (an agent loop's earlier
+/// steps) but the last group; an assistant message with `tool_calls` and the `tool`
+/// messages that follow it form one group. The last user turn and the latest step (the
+/// last group, and anything after it) are never dropped.
 fn groups(messages: &[Value]) -> Vec<Vec<usize>> {
-    let last_user = messages
-        .iter()
-        .rposition(|m| role(m) == "user")
-        .unwrap_or(0);
+    let Some(last_user) = messages.iter().rposition(|m| role(m) == "user") else {
+        return vec![];
+    };
+    let mut out = group_range(messages, 0, last_user);
+    let mut steps = group_range(messages, last_user + 1, messages.len());
+    steps.pop();
+    out.extend(steps);
+    out
+}
+
+/// The groups of `messages[from..to]` (see [`groups`]), system messages left out.
+fn group_range(messages: &[Value], from: usize, to: usize) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = vec![];
-    let mut i = 0;
-    while i < last_user {
+    let mut i = from;
+    while i < to {
         let m = &messages[i];
         if role(m) == "system" {
             i += 1;
@@ -211,7 +222,7 @@ fn groups(messages: &[Value]) -> Vec<Vec<usize>> {
         }
         let mut g = vec![i];
         if role(m) == "assistant" && m.get("tool_calls").is_some() {
-            while i + 1 < messages.len() && role(&messages[i + 1]) == "tool" {
+            while i + 1 < to && role(&messages[i + 1]) == "tool" {
                 i += 1;
                 g.push(i);
             }
@@ -302,6 +313,49 @@ mod tests {
         assert_eq!(n, 16);
     }
 
+    /// An agent loop: one user turn, then many tool-calling steps whose results are
+    /// long. Trimming drops the oldest steps (each call with its results), never the user
+    /// turn nor the latest step; before, everything after the last user turn was kept and
+    /// such a conversation could not be trimmed at all.
+    #[test]
+    fn an_agent_loop_is_trimmed_by_its_oldest_steps() {
+        let step = |n: usize| {
+            vec![
+                json!({"role": "assistant", "content": null, "tool_calls": [{"id": format!("c{n}"), "type": "function", "function": {"name": "read", "arguments": "{}"}}]}),
+                json!({"role": "tool", "tool_call_id": format!("c{n}"), "content": "line ".repeat(200)}),
+            ]
+        };
+        let mut m = vec![
+            msg("system", "you are an agent"),
+            msg("user", "fix the bug"),
+        ];
+        for n in 0..10 {
+            m.extend(step(n));
+        }
+        match fit("gpt-4o", 1_000, 0.9, 16, &m, "", ContextPolicy::Trim) {
+            Fit::Trimmed { messages, dropped } => {
+                assert_eq!(dropped % 2, 0, "whole steps: {dropped}");
+                assert!(dropped >= 12 && dropped < 20, "{dropped}");
+                assert_eq!(messages[..2], m[..2], "the system prompt and the user turn");
+                assert_eq!(
+                    messages[messages.len() - 2..],
+                    m[m.len() - 2..],
+                    "the latest step"
+                );
+                assert!(count("gpt-4o", &messages).0 + 16 <= 900);
+            }
+            other => panic!("{other:?}"),
+        }
+        // The latest step alone is too long: nothing else can go.
+        let mut big = vec![msg("user", "fix it")];
+        big.extend(step(0));
+        big[2]["content"] = json!("line ".repeat(2000));
+        assert!(matches!(
+            fit("gpt-4o", 1_000, 0.9, 16, &big, "", ContextPolicy::Trim),
+            Fit::Skip(why) if why.contains("its latest step")
+        ));
+    }
+
     #[test]
     fn short_prompts_fit_and_long_ones_follow_the_policy() {
         let long = "word ".repeat(400);
@@ -379,26 +433,42 @@ mod tests {
                 json!({"role": "assistant", "content": null, "tool_calls": calls, "k": k})
             }),
         ];
-        proptest::collection::vec(one, 1..12).prop_map(|ms| {
-            // after each tool-calling assistant message, its tool results
-            let mut out = vec![];
+        let call = |k: u64| {
+            let calls: Vec<Value> = (0..k)
+                .map(|j| json!({"id": format!("c{j}"), "type": "function", "function": {"name": "f", "arguments": "{}"}}))
+                .collect();
+            json!({"role": "assistant", "content": null, "tool_calls": calls, "k": k})
+        };
+        // after each tool-calling assistant message, its tool results
+        let with_results = |ms: Vec<Value>, out: &mut Vec<Value>| {
             for m in ms {
                 let k = m.get("k").and_then(Value::as_u64);
                 out.push(m);
                 if let Some(k) = k {
                     for j in 0..k {
-                        out.push(json!({"role": "tool", "tool_call_id": format!("c{j}"), "content": "r"}));
+                        out.push(json!({"role": "tool", "tool_call_id": format!("c{j}"), "content": "r ".repeat(20)}));
                     }
                 }
             }
-            out.push(msg("user", "last question"));
-            out
-        })
+        };
+        (
+            proptest::collection::vec(one, 1..12),
+            // an agent loop after the last user turn: its steps
+            proptest::collection::vec((1u64..3).prop_map(call), 0..5),
+        )
+            .prop_map(move |(ms, steps)| {
+                let mut out = vec![];
+                with_results(ms, &mut out);
+                out.push(msg("user", "last question"));
+                with_results(steps, &mut out);
+                out
+            })
     }
 
     proptest! {
-        /// Trimming keeps every system message and the last user turn, keeps order, and
-        /// never keeps a tool result without its call or a call without its results.
+        /// Trimming keeps every system message, the last user turn and the latest step of
+        /// an agent loop after it, keeps order, and never keeps a tool result without its
+        /// call or a call without its results.
         #[test]
         fn trimming_keeps_the_system_prompt_and_tool_pairs(
             messages in arb_messages(),
@@ -409,6 +479,15 @@ mod tests {
                 let systems = |ms: &[Value]| ms.iter().filter(|m| role(m) == "system").count();
                 prop_assert_eq!(systems(&kept), systems(&messages));
                 prop_assert_eq!(kept.last(), messages.last());
+                let last_user = |ms: &[Value]| ms.iter().rfind(|m| role(m) == "user").cloned();
+                prop_assert_eq!(last_user(&kept), last_user(&messages));
+                // the latest step whole: from the last tool-calling message on
+                let step = |ms: &[Value]| {
+                    let at = ms.iter().rposition(|m| m.get("tool_calls").is_some());
+                    at.filter(|&i| i > ms.iter().rposition(|m| role(m) == "user").unwrap_or(0))
+                        .map(|i| ms[i..].to_vec())
+                };
+                prop_assert_eq!(step(&kept), step(&messages));
                 let first = kept.iter().find(|m| role(m) != "system");
                 prop_assert!(first.is_none_or(|m| role(m) == "user"), "opens with a user turn: {:?}", kept);
                 prop_assert!(count("gpt-4o", &kept).0 <= budget);
