@@ -335,7 +335,7 @@ mod tests {
         match fit("gpt-4o", 1_000, 0.9, 16, &m, "", ContextPolicy::Trim) {
             Fit::Trimmed { messages, dropped } => {
                 assert_eq!(dropped % 2, 0, "whole steps: {dropped}");
-                assert!(dropped >= 12 && dropped < 20, "{dropped}");
+                assert!((12..20).contains(&dropped), "{dropped}");
                 assert_eq!(messages[..2], m[..2], "the system prompt and the user turn");
                 assert_eq!(
                     messages[messages.len() - 2..],
