@@ -205,9 +205,20 @@ fn groups(messages: &[Value]) -> Vec<Vec<usize>> {
     };
     let mut out = group_range(messages, 0, last_user);
     let mut steps = group_range(messages, last_user + 1, messages.len());
-    steps.pop();
+    // The latest step: from the last tool-calling message on (its results and what the
+    // assistant said after them), else the last group.
+    let latest = steps
+        .iter()
+        .rposition(|g| messages[g[0]].get("tool_calls").is_some())
+        .unwrap_or(steps.len().saturating_sub(1));
+    steps.truncate(latest);
     out.extend(steps);
     out
+}
+
+/// Messages trimming never drops: system prompts (`developer` is the o-series name).
+fn is_system(m: &Value) -> bool {
+    matches!(role(m), "system" | "developer")
 }
 
 /// The groups of `messages[from..to]` (see [`groups`]), system messages left out.
@@ -216,7 +227,7 @@ fn group_range(messages: &[Value], from: usize, to: usize) -> Vec<Vec<usize>> {
     let mut i = from;
     while i < to {
         let m = &messages[i];
-        if role(m) == "system" {
+        if is_system(m) {
             i += 1;
             continue;
         }
@@ -260,7 +271,7 @@ fn trim(model: &str, budget: u64, messages: &[Value]) -> Option<(Vec<Value>, usi
         let opens_with_user = messages
             .iter()
             .zip(&dropped)
-            .find(|(m, d)| !**d && role(m) != "system")
+            .find(|(m, d)| !**d && !is_system(m))
             .is_none_or(|(m, _)| role(m) == "user");
         if total <= budget && opens_with_user {
             let kept: Vec<Value> = messages
@@ -311,6 +322,42 @@ mod tests {
         assert_eq!(how, "estimate");
         // "user " (5) + 31 bytes = 36 bytes -> 9, plus 4 + 3
         assert_eq!(n, 16);
+    }
+
+    /// Review findings: the latest step ending in the assistant's text keeps the tool
+    /// exchange that text answers (only the text was kept); a `developer` message (the
+    /// o-series system prompt) is kept like a system message (it was dropped first).
+    #[test]
+    fn the_latest_step_keeps_its_tool_exchange_and_developer_prompts_stay() {
+        let m = vec![
+            json!({"role": "system", "content": "agent"}),
+            json!({"role": "user", "content": "fix the bug"}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c9", "type": "function", "function": {"name": "read", "arguments": "{}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c9", "content": "old ".repeat(800)}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "read", "arguments": "{}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c0", "content": "line ".repeat(300)}),
+            json!({"role": "assistant", "content": "per the file above, the bug is on line 3"}),
+        ];
+        match fit("gpt-4o", 1_000, 0.9, 16, &m, "", ContextPolicy::Trim) {
+            Fit::Trimmed { messages, dropped } => {
+                assert_eq!(dropped, 2, "the older step: {messages:?}");
+                assert_eq!(messages[..2], m[..2]);
+                assert_eq!(messages[2..], m[4..], "the latest step whole");
+            }
+            other => panic!("{other:?}"),
+        }
+        let m = vec![
+            json!({"role": "developer", "content": "you are an agent"}),
+            json!({"role": "user", "content": "old ".repeat(1500)}),
+            json!({"role": "assistant", "content": "ok"}),
+            json!({"role": "user", "content": "now"}),
+        ];
+        match fit("gpt-4o", 1_000, 0.9, 16, &m, "", ContextPolicy::Trim) {
+            Fit::Trimmed { messages, .. } => {
+                assert_eq!(messages, vec![m[0].clone(), m[3].clone()]);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// An agent loop: one user turn, then many tool-calling steps whose results are
@@ -455,12 +502,18 @@ mod tests {
             proptest::collection::vec(one, 1..12),
             // an agent loop after the last user turn: its steps
             proptest::collection::vec((1u64..3).prop_map(call), 0..5),
+            // and the assistant's text after its last step
+            proptest::bool::ANY,
         )
-            .prop_map(move |(ms, steps)| {
+            .prop_map(move |(ms, steps, said)| {
                 let mut out = vec![];
                 with_results(ms, &mut out);
                 out.push(msg("user", "last question"));
+                let any = !steps.is_empty();
                 with_results(steps, &mut out);
+                if any && said {
+                    out.push(msg("assistant", "as the results show"));
+                }
                 out
             })
     }
