@@ -8,8 +8,11 @@
 -- KEYS[1] jobs stream   KEYS[2] in-progress marker of the job id   KEYS[3] hand-back
 -- tombstone of the entry (all three as in handback.lua)
 -- KEYS[4] the budget's parked stream   KEYS[5] index of budget parked streams (hash:
--- parked stream key -> what budget_unpark.lua needs, ARGV[10])
--- ARGV[1..8] as handback.lua's ARGV[1..8]   ARGV[9] the index field   ARGV[10] its value
+-- parked stream key -> "<need>|<next>|<json>": the smallest worst case parked there
+-- (pico-dollars, its digits), the server ms before which no sweep moves any back, and
+-- the budget as the worker that parked last saw it, see src/budget/mod.rs `ParkAt`)
+-- ARGV[1..8] as handback.lua's ARGV[1..8]   ARGV[9] the index field   ARGV[10] the JSON
+-- ARGV[11] this job's worst case, pico-dollars (digits)
 --
 -- Every key's type is checked before the first write, so an error leaves nothing half
 -- done (a job moved but not in the index would never be moved back).
@@ -20,7 +23,17 @@ if bad then
 end
 local r = move_entry(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV)
 if r[1] == 'moved' then
-  redis.call('HSET', KEYS[5], ARGV[9], ARGV[10])
+  local need, nxt = ARGV[11], '0'
+  local cur = redis.call('HGET', KEYS[5], ARGV[9])
+  if cur then
+    local cn, cx = string.match(cur, '^(%d+)|(%d+)|')
+    -- the smaller need: a small job is not held back by a large one parked after it
+    if cn and (#cn < #need or (#cn == #need and cn < need)) then
+      need = cn
+    end
+    nxt = cx or '0'
+  end
+  redis.call('HSET', KEYS[5], ARGV[9], need .. '|' .. nxt .. '|' .. ARGV[10])
   return {'parked', r[2]}
 end
 return r

@@ -1,20 +1,24 @@
 -- Jobs parked by a budget (budget_park.lua) moved back to the jobs stream's tail, as many
 -- as the budget has room for now: every worker runs it for every parked stream once a
--- second (src/budget/parked.rs), so no event is needed for progress (a window that
--- ended, a limit raised, reservations settled or expired).
+-- second, so no event is needed for progress (a window that ended, a limit raised,
+-- reservations settled or expired).
+-- (Runs after the prelude key_types.lua.)
 --
 -- KEYS[1] jobs stream   KEYS[2] the parked stream   KEYS[3] index of budget parked
--- streams   KEYS[4..] the budget's windows now (see quota_admit.lua)
--- ARGV[1] the index field   ARGV[2] one parked job's worst case, pico-dollars (the last
--- one parked)   ARGV[3] the most entries moved at once   ARGV[4..] each window's limit
+-- streams (see budget_park.lua)   KEYS[4..] the budget's windows now (see
+-- quota_admit.lua); none = move back regardless (the budget is gone or changed, or the
+-- jobs can never fit it: their next reader decides)
+-- ARGV[1] the index field   ARGV[2] the most entries moved at once
+-- ARGV[3..] each window's limit, pico-dollars
 --
--- Room: the least of limit - spent - live reservations over the windows, in worst cases.
--- A window whose reservation sum may hold expired ones (`x` passed, or `h` missing)
--- counts as room for one job: its admission recounts the window. Entries keep every
--- field verbatim (`_deliveries`, `_entry`, `_billed`, `_packed` included), so a job
--- moved back is a hand-back: its next reader runs it as such. If it finds no room after
--- all it is parked again (nothing spins: at most the room is moved per run).
--- (Runs after the prelude key_types.lua.)
+-- Room: the least of limit - spent - live reservations over the windows, in units of the
+-- smallest worst case parked. A window whose reservation sum may hold expired ones (`x`
+-- passed, or `h` missing or negative while the window exists) counts as room for one
+-- job: its admission recounts the window. After moving any, no sweep of any worker moves
+-- more for 2 s, so the jobs in transit are admitted (or parked again) before more room is
+-- counted: N workers do not move N times the room. Entries keep every field verbatim
+-- (`_deliveries`, `_entry`, `_billed`, `_packed` included): a job moved back is a
+-- hand-back to its next reader.
 -- Returns the number of entries moved back.
 local jobs, parked, index = KEYS[1], KEYS[2], KEYS[3]
 local bad = key_types({{jobs, 'stream'}, {parked, 'stream'}, {index, 'hash'}})
@@ -27,14 +31,20 @@ if redis.call('EXISTS', parked) == 0 then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local need = math.max(1, tonumber(ARGV[2]))
-local room = tonumber(ARGV[3])
+local cur = redis.call('HGET', index, ARGV[1]) or ''
+local cn, cx, rest = string.match(cur, '^(%d+)|(%d+)|(.*)$')
+if cx and tonumber(cx) > now then
+  return 0
+end
+local need = math.max(1, tonumber(cn or '1'))
+local room = tonumber(ARGV[2])
 for i = 4, #KEYS do
-  local limit = tonumber(ARGV[i])
+  local limit = tonumber(ARGV[i - 1])
   local v = redis.call('HMGET', KEYS[i], 'spent', 'h', 'x')
   local spent, held, x = tonumber(v[1]) or 0, tonumber(v[2]), tonumber(v[3])
+  local exists = v[1] or v[2] or v[3]
   local n
-  if v[1] and (held == nil or held < 0 or (x and x <= now)) then
+  if exists and (held == nil or held < 0 or (x and x <= now)) then
     -- stale reservations may hold it: one job, whose admission recounts the window
     n = 1
   else
@@ -55,5 +65,7 @@ end
 if redis.call('XLEN', parked) == 0 then
   redis.call('DEL', parked)
   redis.call('HDEL', index, ARGV[1])
+elseif moved > 0 and rest then
+  redis.call('HSET', index, ARGV[1], cn .. '|' .. (now + 2000) .. '|' .. rest)
 end
 return moved

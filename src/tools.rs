@@ -556,11 +556,11 @@ pub async fn status(cfg: &Config) -> Result<Value, ToolError> {
         .unwrap_or_default();
     let mut budget_parked = vec![];
     for (stream, v) in bparked {
-        let at: Value = serde_json::from_str(&v).unwrap_or(Value::Null);
+        let at = crate::budget::ParkAt::from_index(&v);
         let n: u64 = c.xlen(&stream).await.unwrap_or(0);
         budget_parked.push(json!({
-            "budget": at["budget"],
-            "who": at["who"],
+            "budget": at.as_ref().map(|a| a.budget.clone()),
+            "who": at.as_ref().map(|a| a.who.clone()),
             "parked": n,
         }));
     }

@@ -1141,14 +1141,13 @@ async fn a_budget_pausing_one_tenant_parks_its_jobs_and_moves_them_back_when_it_
     let mut conn = redis.conn().await;
     // acme's window is spent already.
     let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
-    let windows = budgets.windows_of(&llm_worker::budget::ParkAt {
-        budget: "acme".into(),
-        who: "t=acme".into(),
-        need: 0,
-    });
+    let windows = budgets.windows_now("acme", "t=acme");
     assert_eq!(windows.len(), 1, "{windows:?}");
     let (window, limit) = windows[0].clone();
-    let _: () = conn.hset(&window, "spent", limit).await.expect("HSET");
+    let _: () = conn
+        .hset_multiple(&window, &[("spent", limit), ("h", 0)])
+        .await
+        .expect("HSET");
     let acme: Vec<String> = (0..10)
         .map(|i| serde_json::json!({"id": format!("a-{i}"), "tenant": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}).to_string())
         .collect();
@@ -1229,13 +1228,11 @@ async fn a_budget_park_key_of_the_wrong_type_keeps_the_job_and_names_the_key() {
     let cfg = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
     let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
-    let (window, limit) = budgets.windows_of(&llm_worker::budget::ParkAt {
-        budget: "acme".into(),
-        who: "t=acme".into(),
-        need: 0,
-    })[0]
-        .clone();
-    let _: () = conn.hset(&window, "spent", limit).await.expect("HSET");
+    let (window, limit) = budgets.windows_now("acme", "t=acme")[0].clone();
+    let _: () = conn
+        .hset_multiple(&window, &[("spent", limit), ("h", 0)])
+        .await
+        .expect("HSET");
     let _: () = conn.set("{llm}:bparked", "x").await.expect("SET");
     let job = serde_json::json!({"id": "a-0", "tenant": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16});
     push(&mut conn, "llm", &[job.to_string()]).await;
@@ -1264,4 +1261,240 @@ async fn a_budget_park_key_of_the_wrong_type_keeps_the_job_and_names_the_key() {
         0,
         "no result: it waits"
     );
+}
+
+const ACME: &str =
+    "[budgets.acme]\nusd_per_day = \"1\"\ntenant = \"acme\"\non_exhausted = \"pause\"\n";
+const ACME_PARKED: &str = "{llm}:bparked:acme:t=acme";
+
+fn acme_job(id: &str, max_tokens: u64, extra: serde_json::Value) -> String {
+    let mut j = serde_json::json!({"id": id, "tenant": "acme", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens});
+    if let serde_json::Value::Object(e) = extra {
+        for (k, v) in e {
+            j[k] = v;
+        }
+    }
+    j.to_string()
+}
+
+/// Redis, the simulated model and a config with acme's pause budget.
+async fn acme() -> (RedisServer, SimHandle, TestConfig, tempfile::TempDir) {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.extra = ACME.into();
+    (redis, sim, tc, tempfile::tempdir().unwrap())
+}
+
+/// acme's window with `left` pico-dollars left (no reservation); its key and limit.
+async fn spend_acme(
+    tc: &TestConfig,
+    conn: &mut redis::aio::MultiplexedConnection,
+    left: i64,
+) -> (String, i64) {
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
+    let (window, limit) = budgets.windows_now("acme", "t=acme")[0].clone();
+    let _: () = conn
+        .hset_multiple(&window, &[("spent", limit - left), ("h", 0)])
+        .await
+        .expect("HSET");
+    (window, limit)
+}
+
+/// One acme job parked by worker `w1` of `tc`'s config, which is then stopped.
+async fn park_one_acme(
+    tc: &TestConfig,
+    dir: &std::path::Path,
+    conn: &mut redis::aio::MultiplexedConnection,
+    max_tokens: u64,
+) -> String {
+    let cfg = tc.write(dir, "w.toml");
+    let (window, _) = spend_acme(tc, conn, 0).await;
+    push(
+        conn,
+        "llm",
+        &[acme_job("a-0", max_tokens, serde_json::json!({}))],
+    )
+    .await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let got = wait_len(conn, ACME_PARKED, 1, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("parked");
+    stop_clean(&mut w, T).await;
+    window
+}
+
+/// Review finding (tests first): the sweep ran only while some budget was configured, so
+/// removing the last budget left its parked jobs parked for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_jobs_go_back_when_the_last_budget_is_removed() {
+    let (redis, _sim, mut tc, dir) = acme().await;
+    let mut conn = redis.conn().await;
+    park_one_acme(&tc, dir.path(), &mut conn, 16).await;
+    tc.extra = String::new();
+    let cfg2 = tc.write(dir.path(), "w2.toml");
+    let mut w2 = WorkerProc::spawn(&cfg2, "w2", &[]);
+    let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await;
+    context(got, &[&w2]).expect("moved back and run");
+    stop_clean(&mut w2, T).await;
+    assert_eq!(xlen(&mut conn, ACME_PARKED).await, 0);
+}
+
+/// Review finding (tests first): a budget whose limit was lowered below a parked job's
+/// worst case never had room for it again: the job stayed parked forever instead of
+/// being decided again (here: it can never fit, so it fails with `budget:`, as the
+/// routes' other models are acme's too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_changed_below_a_parked_jobs_worst_case_sends_it_back_to_be_decided() {
+    let (redis, sim, mut tc, dir) = acme().await;
+    let mut conn = redis.conn().await;
+    let window = park_one_acme(&tc, dir.path(), &mut conn, 500).await;
+    // A new, empty window (the next day), and a limit below the job's worst case.
+    let _: () = conn.del(&window).await.expect("DEL");
+    tc.extra = ACME.replace("usd_per_day = \"1\"", "usd_per_day = \"0.00001\"");
+    let cfg2 = tc.write(dir.path(), "w2.toml");
+    let mut w2 = WorkerProc::spawn(&cfg2, "w2", &[]);
+    let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await;
+    context(got, &[&w2]).expect("decided again");
+    stop_clean(&mut w2, T).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["status"], "failed", "{results:?}");
+    assert!(results[0].1["error"].starts_with("budget: "), "{results:?}");
+    assert_eq!(calls_to(&sim, "m1"), 0);
+}
+
+/// Review finding (tests first): the index kept the LAST parked job's worst case, so a
+/// small job parked before a large one waited while the budget had room for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_parked_job_is_not_held_back_by_a_large_one() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 1;
+    tc.extra = ACME.into();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let (window, limit) = spend_acme(&tc, &mut conn, 0).await;
+    push(
+        &mut conn,
+        "llm",
+        &[acme_job("small", 16, serde_json::json!({}))],
+    )
+    .await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let got = wait_len(&mut conn, ACME_PARKED, 1, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("small parked");
+    push(
+        &mut conn,
+        "llm",
+        &[acme_job("large", 800, serde_json::json!({}))],
+    )
+    .await;
+    let got = wait_len(&mut conn, ACME_PARKED, 2, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("large parked");
+    // Room for a few small jobs (each below 1e7 pico-dollars), not for the large one.
+    let _: () = conn
+        .hset(&window, "spent", limit - 50_000_000)
+        .await
+        .expect("HSET");
+    let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("the small job ran");
+    stop_clean(&mut w, T).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["job_id"], "small", "{results:?}");
+}
+
+/// Review finding (tests first): a window with no settled spend yet (a fresh day) whose
+/// only reservation was a killed worker's kept its jobs parked after that reservation
+/// expired (the stale rule asked for `spent`), until the window ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_reservation_does_not_keep_jobs_parked() {
+    let (redis, _sim, tc, dir) = acme().await;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
+    let (window, limit) = budgets.windows_now("acme", "t=acme")[0].clone();
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let exp = s * 1000 + us / 1000 + 4000;
+    // A killed worker's reservation of the whole limit, live for 4 more seconds.
+    let _: () = redis::cmd("HSET")
+        .arg(&window)
+        .arg("r:ghost")
+        .arg(format!("{limit}|{exp}|{s}"))
+        .arg("h")
+        .arg(limit)
+        .arg("x")
+        .arg(exp)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    push(
+        &mut conn,
+        "llm",
+        &[acme_job("a-0", 16, serde_json::json!({}))],
+    )
+    .await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let got = wait_len(&mut conn, ACME_PARKED, 1, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("parked");
+    let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("run once the reservation expired");
+    stop_clean(&mut w, T).await;
+}
+
+/// Review findings (tests first): a job with a deadline is not parked (a parked job is
+/// not watched: it ended only once the budget had room, long past its deadline); it
+/// waits in the worker and expires on time. And a job that called a model in this
+/// delivery is not parked either (moved back, it started its route again: its calls again
+/// and a delivery counted per cycle, until it was dead-lettered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_with_a_deadline_or_calls_made_wait_in_the_worker_instead_of_parking() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        rules: vec![always("m1", Fault::ContextLength)],
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.extra = format!(
+        "{ACME}[budgets.m2]\nusd_per_day = \"1\"\nmodels = [\"m2\"]\non_exhausted = \"pause\"\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let (acme_window, _) = spend_acme(&tc, &mut conn, 0).await;
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
+    let (m2_window, limit) = budgets.windows_now("m2", "*")[0].clone();
+    let _: () = conn
+        .hset_multiple(&m2_window, &[("spent", limit), ("h", 0)])
+        .await
+        .expect("HSET");
+    let deadline = llm_worker::cost::unix_now_ms() + 3000;
+    push(
+        &mut conn,
+        "llm",
+        &[
+            acme_job("a-dl", 16, serde_json::json!({"deadline_ms": deadline})),
+            // m1 refuses it (context length): m2, whose budget is spent, is next.
+            serde_json::json!({"id": "j", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}).to_string(),
+        ],
+    )
+    .await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
+    let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await;
+    context(got, &[&w]).expect("the deadline job ends");
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["job_id"], "a-dl", "{results:?}");
+    assert_eq!(results[0].1["status"], "expired", "{results:?}");
+    let m1 = calls_to(&sim, "m1");
+    // The stale rule (room for one) would move a parked job back every 2 s.
+    for _ in 0..4 {
+        let _: () = conn.hset(&m2_window, "x", 1).await.expect("HSET x");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    assert_eq!(calls_to(&sim, "m1"), m1, "m1 not called again");
+    assert_eq!(xlen(&mut conn, "{llm}:bparked:m2:*").await, 0, "not parked");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 1, "j still waits");
+    let _: () = conn.del(&acme_window).await.expect("DEL");
+    stop_clean(&mut w, T).await;
 }

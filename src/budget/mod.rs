@@ -66,6 +66,23 @@ pub struct ParkAt {
     pub budget: String,
     pub who: String,
     pub need: i64,
+    /// The budget's config when the job was parked (JSON): once it changes (or the
+    /// budget is gone), the parked jobs go back to be decided again.
+    #[serde(default)]
+    pub rule: String,
+}
+
+impl ParkAt {
+    /// An index value of `lua/budget_park.lua` (`<need>|<next>|<json>`): the JSON, with
+    /// the smallest worst case parked as `need`.
+    pub fn from_index(v: &str) -> Option<ParkAt> {
+        let mut parts = v.splitn(3, '|');
+        let need: i64 = parts.next()?.parse().ok()?;
+        let _next = parts.next()?;
+        let mut at: ParkAt = serde_json::from_str(parts.next()?).ok()?;
+        at.need = need;
+        Some(at)
+    }
 }
 
 /// One live reservation: settled by `gate::Gate::settle`.
@@ -232,9 +249,28 @@ impl Budgets {
     }
 
     /// The windows of budget `at.budget` for `at.who` now, with their limits in
-    /// pico-dollars (for moving its parked jobs back); empty if the budget is gone.
+    /// pico-dollars (for moving its parked jobs back). Empty (move them all back, their
+    /// next reader decides again) when the budget is gone, its config changed since the
+    /// jobs were parked (limits, models, tenant, `on_exhausted`), or a parked job's worst
+    /// case is above a whole limit (it can never fit: it goes to a cheaper model or fails).
     pub fn windows_of(&self, at: &ParkAt) -> Vec<(String, i64)> {
         let Some(b) = self.cfg.budgets.get(&at.budget) else {
+            return vec![];
+        };
+        if rule_of(b) != at.rule {
+            return vec![];
+        }
+        let windows = self.windows_now(&at.budget, &at.who);
+        if windows.iter().any(|(_, limit)| at.need > *limit) {
+            return vec![];
+        }
+        windows
+    }
+
+    /// The windows of budget `name` for `who` (`*` or `t=<tenant>`) now: key and limit
+    /// in pico-dollars; empty if there is no such budget.
+    pub fn windows_now(&self, name: &str, who: &str) -> Vec<(String, i64)> {
+        let Some(b) = self.cfg.budgets.get(name) else {
             return vec![];
         };
         periods(b, cost::unix_now_ms())
@@ -242,9 +278,8 @@ impl Budgets {
             .map(|(period, limit, _)| {
                 (
                     format!(
-                        "{}{}:{period}",
-                        key_prefix(&self.cfg.queue.namespace, &at.budget),
-                        at.who
+                        "{}{who}:{period}",
+                        key_prefix(&self.cfg.queue.namespace, name)
                     ),
                     cost::to_picos(limit).unwrap_or(i64::MAX),
                 )
@@ -359,6 +394,7 @@ fn exhausted(
             budget: w.name.clone(),
             who: w.who.clone(),
             need: cost::to_picos(worst).unwrap_or(i64::MAX),
+            rule: b.map(rule_of).unwrap_or_default(),
         },
         name: w.name.clone(),
         window: w.period.clone(),
@@ -370,6 +406,11 @@ fn exhausted(
         never_fits,
         covers_all,
     }
+}
+
+/// A budget's config as one string, to see whether it changed.
+fn rule_of(b: &BudgetConfig) -> String {
+    serde_json::to_string(b).unwrap_or_default()
 }
 
 fn key_prefix(ns: &str, name: &str) -> String {

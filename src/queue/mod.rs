@@ -1031,17 +1031,16 @@ impl Queue {
     /// Parks `entry_id`'s job, paused by a budget that covers only some jobs, in one step
     /// (`lua/budget_park.lua`): moved like a hand-back (same fields, `deliveries`,
     /// `billed`, marker release, tombstone) to the budget's parked `stream`, recorded in
-    /// the index under `field` with `value` (what `lua/budget_unpark.lua` needs).
-    #[allow(clippy::too_many_arguments)]
+    /// the index with `at` (see `lua/budget_park.lua`).
     pub async fn park_budget(
         &self,
         entry_id: &str,
         job_id: Option<&str>,
         deliveries: u64,
         billed: Option<&[u8]>,
-        stream: &str,
-        value: &str,
+        at: &crate::budget::ParkAt,
     ) -> Result<Park, QueueError> {
+        let stream = self.keys.budget_parked(&at.budget, &at.who);
         let keys = [stream.to_string(), self.keys.budget_parked_index()];
         let mut inv = self.move_invocation(
             &scripts::BUDGET_PARK,
@@ -1051,7 +1050,9 @@ impl Queue {
             billed,
             &keys,
         );
-        inv.arg(stream).arg(value);
+        inv.arg(&stream)
+            .arg(serde_json::to_string(at).unwrap_or_default())
+            .arg(at.need.max(0));
         let mut conn = self.conn.get().await?;
         let (kind, id): (String, String) = inv.invoke(&mut conn).await?;
         Ok(match kind.as_str() {
@@ -1062,12 +1063,11 @@ impl Queue {
     }
 
     /// Moves back to the jobs stream's tail as many of `stream`'s parked jobs as its
-    /// budget's `windows` (key, limit in pico-dollars) have room for at `need` each, at
-    /// most `max` (`lua/budget_unpark.lua`). Returns how many moved.
+    /// budget's `windows` (key, limit in pico-dollars) have room for, at most `max`
+    /// (`lua/budget_unpark.lua`; no windows: up to `max` regardless). Returns how many.
     pub async fn unpark_budget(
         &self,
         stream: &str,
-        need: i64,
         windows: &[(String, i64)],
         max: u64,
     ) -> Result<u64, QueueError> {
@@ -1078,7 +1078,7 @@ impl Queue {
         for (k, _) in windows {
             inv.key(k);
         }
-        inv.arg(stream).arg(need).arg(max);
+        inv.arg(stream).arg(max);
         for (_, limit) in windows {
             inv.arg(*limit);
         }
@@ -1087,14 +1087,20 @@ impl Queue {
         Ok(moved)
     }
 
-    /// The budget parked streams and what each needs (`HGETALL` of the index).
-    pub async fn budget_parked(&self) -> Result<Vec<(String, String)>, QueueError> {
+    /// The budget parked streams, each with its budget as last parked (`HGETALL` of the
+    /// index); `None` for an index entry that cannot be read.
+    pub async fn budget_parked(
+        &self,
+    ) -> Result<Vec<(String, Option<crate::budget::ParkAt>)>, QueueError> {
         let mut conn = self.conn.get().await?;
         let all: Vec<(String, String)> = redis::cmd("HGETALL")
             .arg(self.keys.budget_parked_index())
             .query_async(&mut conn)
             .await?;
-        Ok(all)
+        Ok(all
+            .into_iter()
+            .map(|(stream, v)| (stream, crate::budget::ParkAt::from_index(&v)))
+            .collect())
     }
 
     /// The queue's gauges for /metrics (one pipeline: XLEN of the jobs and dead streams,

@@ -113,6 +113,9 @@ pub(super) struct Spent {
     /// The entry was parked under its tenant's cap (moved and acknowledged by the
     /// admission script): nothing is left to hand back.
     pub(super) parked: bool,
+    /// The entry was parked by a budget that paused it (moved and acknowledged); a place
+    /// kept for it under a tenant cap is still given back.
+    pub(super) budget_parked: bool,
     /// The place kept for this entry (it was moved back from a parked stream) was taken by
     /// its admission; else the worker gives it back when the job ends.
     pub(super) kept_taken: bool,

@@ -44,8 +44,26 @@ impl Worker {
 /// How often the cancel watcher asks Redis about the ids of the jobs running here: a
 /// cancel reaches a running job within this (plus a round trip), fleet-wide.
 pub(super) const CANCEL_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+/// How often every worker moves back the jobs parked by budgets that have room again.
+const UNPARK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Worker {
+    /// Once a second: jobs parked by budgets go back as far as each budget has room
+    /// (see [`Worker::unpark_budgets`]). Runs whatever the config says, so jobs parked
+    /// under a budget since removed are moved back too. A task of its own: many parked
+    /// streams never delay the cancel checks.
+    pub(super) async fn unpark_loop(self: Arc<Self>, stop: CancellationToken) {
+        let mut tick = tokio::time::interval(UNPARK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.cancelled() => return,
+            }
+            self.unpark_budgets().await;
+        }
+    }
+
     /// Every [`CANCEL_POLL`]: closes the rate blocks whose second ended. While jobs run
     /// here: one round trip (a pipeline of EXISTS)
     /// asks whether their ids have a cancel marker, and fires the stop switch of each that
@@ -53,7 +71,6 @@ impl Worker {
     pub(super) async fn watch_cancels(self: Arc<Self>, stop: CancellationToken) {
         let mut tick = tokio::time::interval(CANCEL_POLL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut sweeps = 0u64;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -62,11 +79,7 @@ impl Worker {
             // Rate blocks whose second ended while nothing drew on them: their corrections
             // go now, not at the model's next call.
             self.sweep_rate_blocks(false);
-            // Jobs parked by budgets that have room again go back, once a second.
-            sweeps += 1;
-            if sweeps % 2 == 0 && !self.budgets.is_empty() {
-                self.unpark_budgets().await;
-            }
+
             let watched: Vec<(String, String)> = lock(&self.stops)
                 .iter()
                 .filter(|(_, (_, t))| !t.is_cancelled())

@@ -66,8 +66,14 @@ impl Worker {
                 }
                 settled
             }
-            // Moved to its tenant's parked stream and acknowledged: never pending again.
-            None if lock(&spent).parked => true,
+            // Moved to a parked stream and acknowledged: never pending again.
+            None if {
+                let s = lock(&spent);
+                s.parked || s.budget_parked
+            } =>
+            {
+                true
+            }
             None if self.draining.is_cancelled() => {
                 let (called, billed) = {
                     let s = lock(&spent);
@@ -600,16 +606,26 @@ impl Worker {
                             continue;
                         };
                         // A budget covering some models or one tenant: the job is parked
-                        // (it holds no permit while it waits; the jobs behind it go on).
-                        match self.park_for_budget(d, &job, &at, spent).await? {
+                        // (it holds no permit while it waits; the jobs behind it go on),
+                        // unless it called a model in this delivery (moved back, it would
+                        // start its route again: those calls again, and a delivery
+                        // counted each time) or has a deadline (a parked job is not
+                        // watched: it waits here, where its deadline still stops it).
+                        let parkable = !lock(spent).called && job.deadline_ms.is_none();
+                        let parked = if parkable {
+                            self.park_for_budget(d, &job, &at, spent).await?
+                        } else {
+                            None
+                        };
+                        match parked {
                             Some(true) => {
-                                lock(spent).parked = true;
+                                lock(spent).budget_parked = true;
                                 return None;
                             }
                             Some(false) => return None,
                             None => {
-                                // Cannot park (a key of the wrong type, logged): it waits
-                                // here instead, holding its permit.
+                                // Not parked (see above, or a key of the wrong type,
+                                // logged): it waits here instead, holding its permit.
                                 self.unless_draining(tokio::time::sleep(BUDGET_PAUSE_POLL))
                                     .await?;
                                 continue;
@@ -1633,26 +1649,18 @@ impl Worker {
         at: &crate::budget::ParkAt,
         spent: &Mutex<Spent>,
     ) -> Option<Option<bool>> {
-        let stream = self.queue.keys.budget_parked(&at.budget, &at.who);
-        let value = serde_json::to_string(at).unwrap_or_default();
         let mut backoff = Backoff::redis();
         loop {
             let (deliveries, billed) = moved_as(d, spent);
             let job_id = job.keyed.then_some(job.id.as_str());
             match self
                 .queue
-                .park_budget(
-                    &d.entry_id,
-                    job_id,
-                    deliveries,
-                    billed.as_deref(),
-                    &stream,
-                    &value,
-                )
+                .park_budget(&d.entry_id, job_id, deliveries, billed.as_deref(), at)
                 .await
             {
                 Ok(crate::queue::Park::Parked(new)) => {
-                    tracing::info!(entry = %d.entry_id, parked = %new, budget = %at.budget, "budget exhausted; job parked until it has room");
+                    tracing::debug!(entry = %d.entry_id, parked = %new, budget = %at.budget, "budget exhausted; job parked until it has room");
+                    self.announce_budget_park(&at.budget);
                     metrics::counter!("llm_worker_budget_parked_total", "budget" => at.budget.clone())
                         .increment(1);
                     return Some(Some(true));
@@ -1682,6 +1690,19 @@ impl Worker {
         }
     }
 
+    /// One log line per budget (at most a minute apart) while it parks jobs.
+    fn announce_budget_park(&self, budget: &str) {
+        let mut seen = lock(&self.park_announced);
+        let now = Instant::now();
+        if seen
+            .get(budget)
+            .is_none_or(|t| now.duration_since(*t) >= Duration::from_secs(60))
+        {
+            seen.insert(budget.to_string(), now);
+            tracing::info!(budget = %budget, "budget exhausted: the jobs it pauses are parked until it has room (status lists them)");
+        }
+    }
+
     /// Moves back the jobs parked by budgets, as many as each budget has room for
     /// (`lua/budget_unpark.lua`), once a second from every worker. Errors wait for the
     /// next sweep.
@@ -1693,23 +1714,23 @@ impl Worker {
                 return;
             }
         };
-        for (stream, value) in parked {
-            let Ok(at) = serde_json::from_str::<crate::budget::ParkAt>(&value) else {
-                tracing::warn!(stream = %stream, "budget parked stream with an unreadable index entry; its jobs wait (fix or delete the field of {{ns}}:bparked)");
-                continue;
-            };
-            let windows = self.budgets.windows_of(&at);
-            // A budget no longer configured has no windows: its jobs go back (nothing
-            // pauses them now).
+        for (stream, at) in parked {
+            // A budget gone or changed, or an index entry that cannot be read: no
+            // windows, so its jobs go back and their next reader decides again.
+            let windows = at
+                .as_ref()
+                .map(|at| self.budgets.windows_of(at))
+                .unwrap_or_default();
+            let budget = at.map_or_else(|| "?".to_string(), |at| at.budget);
             match self
                 .queue
-                .unpark_budget(&stream, at.need, &windows, UNPARK_MAX)
+                .unpark_budget(&stream, &windows, UNPARK_MAX)
                 .await
             {
                 Ok(0) => {}
                 Ok(n) => {
-                    tracing::info!(budget = %at.budget, moved = n, "budget has room: parked jobs moved back");
-                    metrics::counter!("llm_worker_budget_unparked_total", "budget" => at.budget.clone())
+                    tracing::info!(budget = %budget, moved = n, "budget has room: parked jobs moved back");
+                    metrics::counter!("llm_worker_budget_unparked_total", "budget" => budget)
                         .increment(n);
                 }
                 Err(e) => {

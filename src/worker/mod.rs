@@ -104,6 +104,8 @@ pub struct Worker {
     rate_blocks: crate::ratelimit::Blocks,
     /// This process's budget blocks (several calls' worst cases reserved at once).
     budget_blocks: crate::budget::blocks::Blocks,
+    /// When each budget last said (in the log) that it parks jobs.
+    park_announced: Mutex<std::collections::HashMap<String, tokio::time::Instant>>,
     /// Models and providers the fleet routes around for a while.
     pub cooldowns: crate::cooldown::Cooldowns,
     /// Tenant places under `pools.<p>.max_per_tenant` (admit or park before a slot).
@@ -213,6 +215,7 @@ impl Worker {
             gate,
             rate_blocks: crate::ratelimit::Blocks::default(),
             budget_blocks: crate::budget::blocks::Blocks::default(),
+            park_announced: Mutex::default(),
             cooldowns,
             tenants,
             model_metrics: cfg_models

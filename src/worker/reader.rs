@@ -77,6 +77,7 @@ impl Worker {
         let _cancel_watch = AbortOnDrop(tokio::spawn(
             self.clone().watch_cancels(keeper_stop.clone()),
         ));
+        let _unparker = AbortOnDrop(tokio::spawn(self.clone().unpark_loop(keeper_stop.clone())));
         self.state.taking_jobs.store(true, Ordering::SeqCst);
         loop {
             self.state.beat();
