@@ -723,7 +723,7 @@ pub fn print_status(v: &Value, out: &mut impl Write) -> std::io::Result<()> {
     for b in v["budgets"].as_array().into_iter().flatten() {
         writeln!(
             out,
-            "budget {:<14} {} {}  spent ${} + running ${} of ${}",
+            "budget {:<14} {} {}  spent ${} + reserved ${} of ${}",
             b["budget"].as_str().unwrap_or(""),
             b["who"].as_str().unwrap_or(""),
             b["window"].as_str().unwrap_or(""),

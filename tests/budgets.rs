@@ -1498,3 +1498,194 @@ async fn jobs_with_a_deadline_or_calls_made_wait_in_the_worker_instead_of_parkin
     let _: () = conn.del(&acme_window).await.expect("DEL");
     stop_clean(&mut w, T).await;
 }
+
+/// A job of budget block tests.
+fn bjob(id: &str, max_tokens: u64) -> String {
+    serde_json::json!({"id": id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+        .to_string()
+}
+
+fn picos(d: Decimal) -> i64 {
+    llm_worker::cost::to_picos(d).expect("picos")
+}
+
+/// Today's window of budget `k`.
+fn day_key_k(tc: &TestConfig) -> String {
+    let budgets = llm_worker::budget::Budgets::new(std::sync::Arc::new(tc.parsed()));
+    budgets.windows_now("k", "*")[0].0.clone()
+}
+
+/// Live reservations (expiry after the server's TIME) in a window, pico-dollars.
+async fn live(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> (i64, HashMap<String, String>) {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.expect("TIME");
+    let now = s * 1000 + us / 1000;
+    let h: HashMap<String, String> = conn.hgetall(key).await.expect("HGETALL");
+    let mut sum = 0i64;
+    for (f, v) in &h {
+        if f.starts_with("r:") {
+            let mut p = v.split('|');
+            let a: i64 = p.next().unwrap().parse().unwrap();
+            let e: u64 = p.next().unwrap().parse().unwrap();
+            if e > now {
+                sum += a;
+            }
+        }
+    }
+    (sum, h)
+}
+
+/// Review finding (tests first): a block's unused room (held in Redis until its running call ends) makes a
+/// one-call reservation fail with `budget:` although one call fits what is really left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocks_unused_room_never_fails_a_call_that_fits_alone() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 3000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 8;
+    tc.slots = 8;
+    let mut parsed = tc.parsed();
+    parsed.models.get_mut("m1").unwrap().input_per_mtok = Decimal::ZERO;
+    let w = worst_of(&parsed, &bjob("s-1", 16), "m1");
+    let wb = worst_of(&parsed, &bjob("b-1", 64), "m1");
+    eprintln!("w {w} wb {wb}");
+    let limit = w * Decimal::from(4000);
+    tc.extra = format!("[budgets.k]\nusd_per_day = \"{limit}\"\non_exhausted = \"fail\"\n");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let key = day_key_k(&tc);
+    // Left: the big job's worst case plus two small ones (the two that will run).
+    let _: () = conn
+        .hset(&key, "spent", picos(limit) - picos(wb) - 2 * picos(w))
+        .await
+        .unwrap();
+    push(&mut conn, "llm", &[bjob("s-1", 16), bjob("s-2", 16)]).await;
+    let wk = WorkerProc::spawn(
+        &cfg,
+        "w1",
+        &[("LLM_WORKER__MODELS__M1__INPUT_PER_MTOK", "0")],
+    );
+    assert!(
+        in_flight_at_least(&sim, 2, Duration::from_secs(5)).await,
+        "{}",
+        wk.log()
+    );
+    let (held, h) = live(&mut conn, &key).await;
+    eprintln!(
+        "held while s-1, s-2 run: {} worst cases: {h:?}",
+        held as f64 / picos(w) as f64
+    );
+    // Real room for one call: 6w - 2 running = 4w = the big job's worst case.
+    push(&mut conn, "llm", &[bjob("b-1", 64)]).await;
+    let got = wait_len(&mut conn, "{llm}:results", 3, T).await;
+    context(got, &[&wk]).expect("3 results");
+    let results = entries(&mut conn, "{llm}:results").await;
+    let b = results.iter().find(|(_, r)| r["job_id"] == "b-1").unwrap();
+    assert_eq!(b.1["status"], "ok", "one call fits what is left: {:?}", b.1);
+}
+
+/// Review finding (tests first): a budget draw held while the rate-limit admission retries (Redis errors) is
+/// sent after its block's reservation expired: a call on the wire with no live reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_draw_is_never_sent_after_its_blocks_reservation_expired() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 1000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 8;
+    tc.slots = 8;
+    tc.ttl_ms = 1000;
+    let mut parsed = tc.parsed();
+    parsed.models.get_mut("m1").unwrap().input_per_mtok = Decimal::ZERO;
+    let w = worst_of(&parsed, &bjob("w-1", 16), "m1");
+    let limit = w * Decimal::from(4000);
+    tc.extra = format!("[budgets.k]\nusd_per_day = \"{limit}\"\non_exhausted = \"fail\"\n");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("w.toml");
+    std::fs::write(
+        &cfg,
+        tc.toml()
+            .replace("[models.m1]\n", "[models.m1]\nrpm = 600\n"),
+    )
+    .unwrap();
+    let env = [
+        ("LLM_WORKER__MODELS__M1__INPUT_PER_MTOK", "0"),
+        ("LLM_WORKER__MODELS__M1__RPM", "600"),
+        ("LLM_WORKER__PROVIDERS__P1__TIMEOUT_MS", "1500"),
+        ("LLM_WORKER__PROVIDERS__P2__TIMEOUT_MS", "1500"),
+    ];
+    // ttl = 1.5 s + 2 x 1 s + 1 s = 4.5 s
+    let mut conn = redis.conn().await;
+    let key = day_key_k(&tc);
+    let _: () = conn
+        .hset(&key, "spent", picos(limit) - 3 * picos(w))
+        .await
+        .unwrap();
+    let wk = WorkerProc::spawn(&cfg, "w1", &env);
+    push(&mut conn, "llm", &[bjob("w-1", 16)]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&wk]).expect("w-1");
+    // w-2 opens a block of 2 (the size grew) and draws one; one worst case is left in it.
+    push(&mut conn, "llm", &[bjob("w-2", 16)]).await;
+    assert!(in_flight_at_least(&sim, 1, Duration::from_secs(5)).await);
+    let (held, h) = live(&mut conn, &key).await;
+    eprintln!(
+        "after w-2 started: live {} worst cases {h:?}",
+        held as f64 / picos(w) as f64
+    );
+    let rk: Vec<String> = conn.keys("{llm}:rate:*").await.unwrap();
+    eprintln!("rate keys {rk:?}");
+    // The model's rate window now errors (any Redis error would do).
+    let _: () = conn.set("{llm}:rate:m:m1:rpm:w", "x").await.unwrap();
+    push(&mut conn, "llm", &[bjob("j-1", 16)]).await;
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    let (held, h) = live(&mut conn, &key).await;
+    eprintln!(
+        "after 5.5 s: live {} worst cases {h:?}",
+        held as f64 / picos(w) as f64
+    );
+    let _: () = conn.del("{llm}:rate:m:m1:rpm:w").await.unwrap();
+    // j-1 goes on the wire.
+    let sent = in_flight_at_least(&sim, 1, Duration::from_secs(12)).await;
+    assert!(sent, "{}", wk.log());
+    eprintln!("{}", wk.log());
+    let (held_j, h) = live(&mut conn, &key).await;
+    eprintln!(
+        "j-1 on the wire: live {} worst cases {h:?}",
+        held_j as f64 / picos(w) as f64
+    );
+    // Others reserve what is left now, while j-1 runs.
+    push(&mut conn, "llm", &[bjob("k-1", 16), bjob("k-2", 16)]).await;
+    context(wait_len(&mut conn, "{llm}:results", 5, T).await, &[&wk]).expect("results");
+    let mut wk = wk;
+    stop_clean(&mut wk, T).await;
+    let results = entries(&mut conn, "{llm}:results").await;
+    for (_, r) in &results {
+        eprintln!(
+            "{} {} {}",
+            r["job_id"],
+            r["status"],
+            r.get("cost_usd").cloned().unwrap_or_default()
+        );
+    }
+    let h: HashMap<String, String> = conn.hgetall(&key).await.unwrap();
+    let spent = llm_worker::cost::from_picos(h["spent"].parse().unwrap());
+    eprintln!(
+        "spent {spent} limit {limit} over by {} worst cases",
+        (spent - limit) / w
+    );
+    assert!(
+        held_j >= picos(w),
+        "a call on the wire holds no live reservation"
+    );
+    assert!(spent <= limit, "spent {spent} > limit {limit}");
+}

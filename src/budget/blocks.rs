@@ -109,6 +109,9 @@ pub struct Draw {
     owner: Weak<Shared>,
     ended: bool,
     sent: bool,
+    /// Its block's life ends here: a call not sent by then is not sent on this room
+    /// (its reservation's ttl counts from the block's reservation, not from the send).
+    until: tokio::time::Instant,
 }
 
 impl Draw {
@@ -120,6 +123,12 @@ impl Draw {
     /// The call's worst case, pico-dollars.
     pub fn worst(&self) -> i64 {
         self.worst
+    }
+
+    /// Whether the call may still be sent on this room: a draw held past its block's
+    /// life (the rate limits' script retried while Redis was away) must be taken again.
+    pub fn usable(&self) -> bool {
+        self.until > tokio::time::Instant::now()
     }
 }
 
@@ -202,6 +211,7 @@ impl Blocks {
                     owner: Arc::downgrade(&self.s),
                     ended: false,
                     sent: false,
+                    until: b.until,
                 };
                 return (Take::Drawn(d), out);
             }
@@ -256,6 +266,7 @@ impl Blocks {
         g.fetching.remove(&cover);
         g.next_id += 1;
         let id = g.next_id;
+        let until = tokio::time::Instant::now() + BLOCK_LIFE;
         let b = Block {
             id,
             cover: cover.clone(),
@@ -266,7 +277,7 @@ impl Blocks {
             spent: 0,
             drawn: 1,
             outstanding: 1,
-            until: tokio::time::Instant::now() + BLOCK_LIFE,
+            until,
             used_up: false,
         };
         let alone = k <= 1;
@@ -284,9 +295,27 @@ impl Blocks {
                 owner: Arc::downgrade(&self.s),
                 ended: false,
                 sent: false,
+                until,
             },
             out,
         )
+    }
+
+    /// Room this process holds in `cover`'s blocks and does not use (reserved, neither
+    /// running nor spent), pico-dollars; the open block closes, so that room goes back
+    /// once its calls end. A call refused by the budget while this is positive may fit
+    /// once it does: it waits instead of taking `on_exhausted`.
+    pub fn release_unused(&self, cover: &str) -> (i64, Vec<BlockSettle>) {
+        let mut g = crate::sync::lock(&self.s.m);
+        let mut out = vec![];
+        g.close(cover, &mut out);
+        let unused = g
+            .closing
+            .values()
+            .filter(|b| b.cover == cover)
+            .map(|b| b.room().max(0))
+            .sum();
+        (unused, out)
     }
 
     /// A drawn call ended and cost `cost` pico-dollars (`None`: unknown, its worst case
@@ -509,6 +538,28 @@ mod tests {
         let f = fetch(&b, "c", 10);
         let (_first, _) = b.open(f, res("r1"), 4, 40, 10);
         assert!(matches!(b.take("c", 10).0, Take::Drawn(_)));
+    }
+
+    /// Review findings: a draw held past its block's life says so (its call is then
+    /// admitted afresh, never sent on room whose reservation may lapse), and the room a
+    /// process's own blocks hold unused is known (a refused call waits for it).
+    #[tokio::test(start_paused = true)]
+    async fn a_stale_draw_says_so_and_unused_room_is_known() {
+        let b = Blocks::default();
+        let f = fetch(&b, "c", 10);
+        let (first, _) = b.open(f, res("r1"), 4, 40, 10);
+        let second = drawn(&b, "c", 10).expect("room");
+        assert!(first.usable() && second.usable());
+        tokio::time::advance(BLOCK_LIFE).await;
+        assert!(!first.usable() && !second.usable());
+        assert!(b.settle(first, Some(4)).is_none());
+        // 40 reserved, 10 running, 4 spent: 26 unused until the second call ends.
+        let (unused, closed) = b.release_unused("c");
+        assert!(closed.is_empty(), "its second call still runs");
+        assert_eq!(unused, 26);
+        let s = b.settle(second, Some(10)).expect("closed, last call");
+        assert_eq!(s.cost_picos, 14);
+        assert_eq!(b.release_unused("c").0, 0);
     }
 
     /// A block is drawn on for its life only; a block of one call serves that call alone

@@ -305,7 +305,8 @@ pub struct WindowReport {
     pub limit: Decimal,
     /// Settled spending.
     pub spent: Decimal,
-    /// Worst cases of calls running now.
+    /// Live reservations: worst cases of calls running, and budget blocks (room reserved
+    /// for a process's next calls, and the real costs of its ended calls until it settles).
     pub reserved: Decimal,
 }
 

@@ -1417,6 +1417,10 @@ impl Worker {
         }
         let rate = rate.filter(|_| draw.is_none());
         let budget = budget.filter(|_| bdraw.is_none());
+        if bdraw.as_ref().is_some_and(|d| !d.usable()) {
+            // Held past its block's life (waiting for a rate block): taken again.
+            return self.stale_draws(draw, bdraw);
+        }
         if budget.is_none() && rate.is_none() {
             if bdraw.is_none() && draw.is_none() {
                 return Quota::Yes(None);
@@ -1447,13 +1451,21 @@ impl Worker {
                 .await
             {
                 Ok(Answer::Admitted { ms, .. }) => {
-                    // The budget block reserved: opened, this call drawn on it.
+                    // The budget block reserved: opened, this call drawn on it. A retry's
+                    // answer (`ms` unknown: the reservation may be old) serves its own
+                    // call only.
                     if let (Some(b), Some(f)) = (budget.take(), bfetch.take()) {
-                        let (k, total, worst) = (b.k(), b.total(), b.amount());
+                        let k = if ms.is_some() { b.k() } else { 1 };
+                        let (total, worst) = (b.total(), b.amount());
                         let (d, closed) =
                             self.budget_blocks.open(f, b.reservation(), k, total, worst);
                         self.settle_budget_blocks(closed);
                         bdraw = Some(d);
+                    }
+                    if bdraw.as_ref().is_some_and(|d| !d.usable()) {
+                        // Drawn from a block whose life ended while the rate limits'
+                        // script was retried: its reservation may lapse during the call.
+                        return self.stale_draws(draw, bdraw);
                     }
                     let draw = match (draw, ask) {
                         (Some(d), _) if !d.usable() => {
@@ -1497,6 +1509,23 @@ impl Worker {
                         kb = 1;
                         continue;
                     }
+                    if let Some(b) = &budget {
+                        // This process's own blocks may hold the room (unused, until their
+                        // calls end): wait for it rather than decide on it.
+                        let (unused, closed) = self.budget_blocks.release_unused(&b.cover());
+                        self.settle_budget_blocks(closed);
+                        if unused > 0 {
+                            // Not a rate limit's wait: no fallback clock runs for it.
+                            if let Some(d) = draw {
+                                self.settle_blocks(self.rate_blocks.undo(d));
+                            }
+                            tokio::select! {
+                                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                                _ = self.draining.cancelled() => return Quota::Stopped,
+                            }
+                            return Quota::Again;
+                        }
+                    }
                     // The room drawn for this call goes back to its block.
                     if let Some(d) = draw {
                         self.settle_blocks(self.rate_blocks.undo(d));
@@ -1536,6 +1565,22 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Draws that went stale before their call was sent: both go back, and the call is
+    /// admitted afresh ([`Quota::Again`]).
+    fn stale_draws(
+        &self,
+        draw: Option<crate::ratelimit::Draw>,
+        bdraw: Option<crate::budget::blocks::Draw>,
+    ) -> Quota {
+        if let Some(d) = draw {
+            self.settle_blocks(self.rate_blocks.undo(d));
+        }
+        if let Some(d) = bdraw {
+            self.settle_budget_blocks(self.budget_blocks.undo(d));
+        }
+        Quota::Again
     }
 
     /// Settles a call's ticket in a task of its own (tracked like slot releases, so a
