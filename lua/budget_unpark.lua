@@ -33,7 +33,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cur = redis.call('HGET', index, ARGV[1]) or ''
 local cn, cx, rest = string.match(cur, '^(%d+)|(%d+)|(.*)$')
-if cx and tonumber(cx) > now then
+-- (a gate further ahead than one period is not ours to trust: a clock that went back)
+if cx and tonumber(cx) > now and tonumber(cx) <= now + 2000 then
   return 0
 end
 local need = math.max(1, tonumber(cn or '1'))
@@ -66,6 +67,10 @@ if redis.call('XLEN', parked) == 0 then
   redis.call('DEL', parked)
   redis.call('HDEL', index, ARGV[1])
 elseif moved > 0 and rest then
-  redis.call('HSET', index, ARGV[1], cn .. '|' .. (now + 2000) .. '|' .. rest)
+  -- The smallest worst case parked may have left with these: the estimate doubles, and
+  -- a job parked again with a smaller one lowers it (budget_park.lua), so larger jobs
+  -- are not moved back in hundreds for room that fits only a small one.
+  local up = string.format('%.0f', math.min(tonumber(cn) * 2, 9.0e18))
+  redis.call('HSET', index, ARGV[1], up .. '|' .. (now + 2000) .. '|' .. rest)
 end
 return moved

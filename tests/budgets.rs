@@ -1689,3 +1689,31 @@ async fn a_budget_draw_is_never_sent_after_its_blocks_reservation_expired() {
     );
     assert!(spent <= limit, "spent {spent} > limit {limit}");
 }
+
+/// Review finding (tests first): the 2 s gate between moves trusted any future value, so
+/// a clock that went back (or a bad value) kept parked jobs parked for that long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gate_far_in_the_future_does_not_keep_jobs_parked() {
+    let (redis, _sim, tc, dir) = acme().await;
+    let mut conn = redis.conn().await;
+    let window = park_one_acme(&tc, dir.path(), &mut conn, 16).await;
+    let v: String = conn.hget("{llm}:bparked", ACME_PARKED).await.expect("HGET");
+    let mut parts = v.splitn(3, '|');
+    let (need, _, json) = (
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+    );
+    let (s, _): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let far = s * 1000 + 3_600_000;
+    let _: () = conn
+        .hset("{llm}:bparked", ACME_PARKED, format!("{need}|{far}|{json}"))
+        .await
+        .expect("HSET");
+    let _: () = conn.hset(&window, "spent", 0).await.expect("HSET");
+    let cfg = tc.write(dir.path(), "w2.toml");
+    let mut w2 = WorkerProc::spawn(&cfg, "w2", &[]);
+    let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(10)).await;
+    context(got, &[&w2]).expect("moved back");
+    stop_clean(&mut w2, T).await;
+}

@@ -409,9 +409,13 @@ fn exhausted(
     }
 }
 
-/// A budget's config as one string, to see whether it changed.
+/// A budget's config as one string, to see whether it changed (its models in order, so
+/// their order in the TOML does not count).
 fn rule_of(b: &BudgetConfig) -> String {
-    serde_json::to_string(b).unwrap_or_default()
+    let mut b = b.clone();
+    b.models.sort();
+    b.models.dedup();
+    serde_json::to_string(&b).unwrap_or_default()
 }
 
 fn key_prefix(ns: &str, name: &str) -> String {
@@ -479,6 +483,20 @@ fn windows(cfg: &Config, model: &str, tenant: Option<&str>, now_ms: u64) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review finding: the order of a budget's `models` is not a change of its rule (a
+    /// rollout with the list reordered would move its parked jobs back and forth).
+    #[test]
+    fn a_budgets_rule_ignores_the_order_of_its_models() {
+        let c = cfg();
+        let mut b = c.budgets["only-b"].clone();
+        b.models = vec!["b".into(), "a".into()];
+        let mut r = b.clone();
+        r.models = vec!["a".into(), "b".into()];
+        assert_eq!(rule_of(&b), rule_of(&r));
+        r.on_exhausted = OnExhausted::Pause;
+        assert_ne!(rule_of(&b), rule_of(&r), "a real change is one");
+    }
 
     #[test]
     fn civil_dates_round_trip_and_known_days() {

@@ -1511,10 +1511,11 @@ impl Worker {
                     }
                     if let Some(b) = &budget {
                         // This process's own blocks may hold the room (unused, until their
-                        // calls end): wait for it rather than decide on it.
+                        // calls end): wait for it rather than decide on it, if with it the
+                        // call would fit.
                         let (unused, closed) = self.budget_blocks.release_unused(&b.cover());
                         self.settle_budget_blocks(closed);
-                        if unused > 0 {
+                        if unused > 0 && left.saturating_add(unused) >= b.amount() {
                             // Not a rate limit's wait: no fallback clock runs for it.
                             if let Some(d) = draw {
                                 self.settle_blocks(self.rate_blocks.undo(d));
