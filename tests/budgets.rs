@@ -1301,6 +1301,24 @@ async fn spend_acme(
     (window, limit)
 }
 
+/// Pushes acme job `id` and waits until `w` has parked it (`parked` jobs parked in all).
+async fn push_parked(
+    conn: &mut redis::aio::MultiplexedConnection,
+    w: &WorkerProc,
+    id: &str,
+    max_tokens: u64,
+    parked: u64,
+) {
+    push(
+        conn,
+        "llm",
+        &[acme_job(id, max_tokens, serde_json::json!({}))],
+    )
+    .await;
+    let got = wait_len(conn, ACME_PARKED, parked, Duration::from_secs(15)).await;
+    context(got, &[w]).expect("parked");
+}
+
 /// One acme job parked by worker `w1` of `tc`'s config, which is then stopped.
 async fn park_one_acme(
     tc: &TestConfig,
@@ -1310,15 +1328,8 @@ async fn park_one_acme(
 ) -> String {
     let cfg = tc.write(dir, "w.toml");
     let (window, _) = spend_acme(tc, conn, 0).await;
-    push(
-        conn,
-        "llm",
-        &[acme_job("a-0", max_tokens, serde_json::json!({}))],
-    )
-    .await;
     let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
-    let got = wait_len(conn, ACME_PARKED, 1, Duration::from_secs(15)).await;
-    context(got, &[&w]).expect("parked");
+    push_parked(conn, &w, "a-0", max_tokens, 1).await;
     stop_clean(&mut w, T).await;
     window
 }
@@ -1375,23 +1386,9 @@ async fn a_small_parked_job_is_not_held_back_by_a_large_one() {
     let cfg = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
     let (window, limit) = spend_acme(&tc, &mut conn, 0).await;
-    push(
-        &mut conn,
-        "llm",
-        &[acme_job("small", 16, serde_json::json!({}))],
-    )
-    .await;
     let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
-    let got = wait_len(&mut conn, ACME_PARKED, 1, Duration::from_secs(15)).await;
-    context(got, &[&w]).expect("small parked");
-    push(
-        &mut conn,
-        "llm",
-        &[acme_job("large", 800, serde_json::json!({}))],
-    )
-    .await;
-    let got = wait_len(&mut conn, ACME_PARKED, 2, Duration::from_secs(15)).await;
-    context(got, &[&w]).expect("large parked");
+    push_parked(&mut conn, &w, "small", 16, 1).await;
+    push_parked(&mut conn, &w, "large", 800, 2).await;
     // Room for a few small jobs (each below 1e7 pico-dollars), not for the large one.
     let _: () = conn
         .hset(&window, "spent", limit - 50_000_000)
@@ -1428,15 +1425,8 @@ async fn an_expired_reservation_does_not_keep_jobs_parked() {
         .query_async(&mut conn)
         .await
         .unwrap();
-    push(
-        &mut conn,
-        "llm",
-        &[acme_job("a-0", 16, serde_json::json!({}))],
-    )
-    .await;
     let mut w = WorkerProc::spawn(&cfg, "w1", &[]);
-    let got = wait_len(&mut conn, ACME_PARKED, 1, Duration::from_secs(15)).await;
-    context(got, &[&w]).expect("parked");
+    push_parked(&mut conn, &w, "a-0", 16, 1).await;
     let got = wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await;
     context(got, &[&w]).expect("run once the reservation expired");
     stop_clean(&mut w, T).await;

@@ -1371,11 +1371,8 @@ impl Worker {
                     crate::budget::blocks::Take::Drawn(d) => bdraw = Some(d),
                     crate::budget::blocks::Take::Fetch(f) => bfetch = Some(f),
                     crate::budget::blocks::Take::Wait => {
-                        // Bounded: a reservation stuck on Redis is retried by its own call.
-                        tokio::select! {
-                            _ = changed => {}
-                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                            _ = self.draining.cancelled() => return Quota::Stopped,
+                        if !self.await_block(changed).await {
+                            return Quota::Stopped;
                         }
                         continue;
                     }
@@ -1403,11 +1400,8 @@ impl Worker {
                         })
                     }
                     crate::ratelimit::Take::Wait => {
-                        // Bounded: a fetch stuck on Redis is retried by its own call.
-                        tokio::select! {
-                            _ = changed => {}
-                            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-                            _ = self.draining.cancelled() => return Quota::Stopped,
+                        if !self.await_block(changed).await {
+                            return Quota::Stopped;
                         }
                         continue;
                     }
@@ -1565,6 +1559,17 @@ impl Worker {
                     }
                 }
             }
+        }
+    }
+
+    /// Waits while another call fetches a block (rate or budget) until `changed` fires,
+    /// at most a second (a fetch stuck on Redis is retried by its own call); `false` when
+    /// draining began.
+    async fn await_block(&self, changed: tokio::sync::futures::Notified<'_>) -> bool {
+        tokio::select! {
+            _ = changed => true,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => true,
+            _ = self.draining.cancelled() => false,
         }
     }
 
