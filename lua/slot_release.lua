@@ -33,7 +33,9 @@
 -- so the next release goes to the next process in the queue (round robin). The caller
 -- holds the pool's queue lock while this runs (w is its waiters under that lock).
 -- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
--- 1 released, 2 handed off, 3 kept}.
+-- 1 released, 2 handed off, 3 kept, then per pool group in the order given: how many
+-- other processes are in its waiter queue} (0 lets the caller keep the pool's slots
+-- among its own jobs for a moment; see QUIET_FOR in src/slots.rs).
 local token = ARGV[1]
 -- Whether a slot's value is the lease released (release-all: any value of this process).
 local function matches(v, value)
@@ -43,7 +45,7 @@ local function matches(v, value)
   return v == value
 end
 local released, handed, not_ours = 0, 0, 0
-local each = {}
+local each, others = {}, {}
 local a, k = 8, 1
 while a <= #ARGV do
   local c = tonumber(ARGV[a])
@@ -112,9 +114,17 @@ while a <= #ARGV do
       end
     end
   end
+  local waiting = redis.call('ZCARD', q)
+  if waiting > 0 and redis.call('ZSCORE', q, token) then
+    waiting = waiting - 1
+  end
+  others[#others + 1] = waiting
 end
 local out = {released, handed, not_ours}
 for j = 1, #each do
   out[#out + 1] = each[j]
+end
+for j = 1, #others do
+  out[#out + 1] = others[j]
 end
 return out

@@ -80,6 +80,35 @@ impl<'a> Call<'a> {
     }
 }
 
+impl Call<'_> {
+    /// Runs the script like [`Call::invoke`] and returns its reply as Redis gave it:
+    /// error replies nested in an array stay in place as `Value::ServerError` (the
+    /// commit script answers each job of a batch on its own; `invoke` would turn one
+    /// job's error into an error of the whole call). A top-level error reply is an `Err`.
+    pub async fn invoke_value(
+        &self,
+        con: &mut impl redis::aio::ConnectionLike,
+    ) -> redis::RedisResult<redis::Value> {
+        async fn once(
+            cmd: &redis::Cmd,
+            con: &mut impl redis::aio::ConnectionLike,
+        ) -> redis::RedisResult<redis::Value> {
+            match con.req_packed_command(cmd).await? {
+                redis::Value::ServerError(e) => Err(e.into()),
+                v => Ok(v),
+            }
+        }
+        let cmd = self.command();
+        match once(&cmd, con).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                self.script.load_async(con).await?;
+                once(&cmd, con).await
+            }
+            r => r,
+        }
+    }
+}
+
 /// A script of `lua/` with a shared prelude of `lua/` prepended.
 macro_rules! with_prelude {
     ($prelude:literal, $file:literal) => {

@@ -83,6 +83,17 @@ const HANDOFF_LEASE: Duration = Duration::from_millis(500);
 /// ends.
 const WAKE_MAXLEN: u64 = 1000;
 
+/// How long a slot this process no longer uses stays with it, idle (still renewed), for
+/// its next job to take without a round trip, when no other process waits for the pool
+/// ([`QUIET_FOR`]); then it goes back to the fleet through the release script.
+const IDLE_HOLD: Duration = Duration::from_millis(20);
+/// How long the release script's word that no other process waits for a pool lets this
+/// process keep slots idle among its own jobs ([`IDLE_HOLD`]) without asking again:
+/// after it the next release goes through Redis (one at a time, the others staying idle
+/// meanwhile), which hands the slot to a waiting process if one came. So a process that
+/// starts waiting gets a slot from a busy one within about this plus a round trip.
+const QUIET_FOR: Duration = Duration::from_millis(25);
+
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).
 /// Every worker ticks every `ttl / 8` (its renewer), so a lease has at least about
 /// `7/8 ttl` left at any time; a gap of more than `ttl / 2` between two slot scripts of
@@ -198,9 +209,72 @@ struct PoolState {
     /// next release handed the slot to a process that did not want it (see
     /// `leave_if_idle`).
     queue_lock: tokio::sync::Mutex<()>,
+    /// Slots this process holds that no job uses, for [`IDLE_HOLD`] at most (see there).
+    /// Each is still in `held` (renewed, same value, same lost flag).
+    idle: Mutex<Vec<IdleSlot>>,
+    /// Whether a task releases idle slots once their time is up.
+    idle_flusher: AtomicBool,
+    /// When the last release script said no other process waits for the pool (None:
+    /// some did, or no word yet), and when the release asking again since went out.
+    /// See [`PoolState::keep_local`].
+    quiet_since: Mutex<(Option<Instant>, Option<Instant>)>,
+}
+
+/// A held slot no job uses (see `PoolState::idle`).
+struct IdleSlot {
+    idx: u32,
+    value: String,
+    lost: Arc<AtomicBool>,
+    since: Instant,
 }
 
 impl PoolState {
+    /// True if a slot released now may stay idle in this process: the last word of the
+    /// release script was that no other process waits, less than [`QUIET_FOR`] ago, or
+    /// the release asking again is on its way (for at most a second). False makes the
+    /// caller's release the one that asks.
+    fn keep_local(&self) -> bool {
+        let mut q = lock(&self.quiet_since);
+        let Some(t) = q.0 else {
+            return false;
+        };
+        if t.elapsed() < QUIET_FOR {
+            return true;
+        }
+        match q.1 {
+            Some(p) if p.elapsed() < Duration::from_secs(1) => true,
+            _ => {
+                q.1 = Some(Instant::now());
+                false
+            }
+        }
+    }
+
+    /// True if the last word of the release script was that another process waits.
+    fn others_wait(&self) -> bool {
+        lock(&self.quiet_since).0.is_none()
+    }
+
+    /// An idle slot of this process (not lost), as a lease of the caller's.
+    fn take_idle(&self, inner: &Arc<Inner>) -> Option<Lease> {
+        let mut idle = lock(&self.idle);
+        while let Some(s) = idle.pop() {
+            if s.lost.load(Ordering::SeqCst) {
+                continue; // the renewer found it taken; it left `held` then
+            }
+            return Some(Lease {
+                inner: inner.clone(),
+                pool: self.name.clone(),
+                idx: s.idx,
+                key: self.slot_keys[s.idx as usize].clone(),
+                value: s.value,
+                lost: s.lost,
+                done: false,
+            });
+        }
+        None
+    }
+
     /// True if a live local waiter exists (dropping the ones whose acquire was abandoned).
     fn has_waiters(&self) -> bool {
         self.live_waiters() > 0
@@ -358,6 +432,9 @@ impl Slots {
                         hint: AtomicU32::new(0),
                         try_failed: AtomicBool::new(false),
                         queue_lock: tokio::sync::Mutex::new(()),
+                        idle: Mutex::new(Vec::new()),
+                        idle_flusher: AtomicBool::new(false),
+                        quiet_since: Mutex::new((None, None)),
                     },
                 );
             }
@@ -436,6 +513,9 @@ impl Slots {
         if ps.has_waiters() {
             return Ok(None);
         }
+        if let Some(lease) = ps.take_idle(&self.inner) {
+            return Ok(Some(lease));
+        }
         match try_take_detached(&self.inner, pool, false).await? {
             Try::Got(mut i) => {
                 let (idx, value) = i.swap_remove(0);
@@ -450,6 +530,12 @@ impl Slots {
         let inner = &self.inner;
         let ps = self.pool_state(pool)?;
         let started = Instant::now();
+        if !ps.has_waiters()
+            && let Some(lease) = ps.take_idle(inner)
+        {
+            observe_wait(pool, started);
+            return Ok(lease);
+        }
         let (tx, mut rx) = oneshot::channel();
         let id = inner.next_waiter.fetch_add(1, Ordering::Relaxed);
         // Queue locally first, so a hand-off that arrives while our first try is on the
@@ -460,6 +546,10 @@ impl Slots {
             w.push_back(Waiter { id, tx });
             w.len() == 1
         };
+        // A slot that went idle while we queued: to the first waiter, in order.
+        if let Some(lease) = ps.take_idle(inner) {
+            deliver(ps, lease);
+        }
         if first {
             let queue = ps.queue_lock.lock().await;
             // The driver may have served us while we waited for the lock; then the
@@ -531,6 +621,7 @@ impl Slots {
         inner.stopped.store(true, Ordering::SeqCst);
         for ps in inner.pools.values() {
             lock(&ps.waiters).clear();
+            lock(&ps.idle).clear(); // still in `held`: released below with the rest
         }
         let mut inv = release_invoke(inner, true);
         for ps in inner.pools.values() {
@@ -820,6 +911,135 @@ async fn release_lease(
     value: &str,
     lost: &Arc<AtomicBool>,
 ) -> Result<(), SlotError> {
+    // No other process waits for the pool (the release script said so less than
+    // QUIET_FOR ago): the slot stays in this process, its entry in `held` untouched
+    // (same value, same lost flag, still renewed): to the job here that waits longest,
+    // or idle for the next job; the idle flusher gives it back to the fleet after
+    // IDLE_HOLD. Only one lease object at a time holds a `held` entry (this one is
+    // consumed), so a shared value is never released twice. The cap on fairness: a
+    // process that starts waiting gets the first slot this one releases more than
+    // QUIET_FOR (plus a round trip) after it queued, not the very first.
+    if let Some(ps) = inner.pools.get(pool)
+        && !lost.load(Ordering::SeqCst)
+        && !inner.stopped.load(Ordering::SeqCst)
+        && lock(&inner.held)
+            .get(key)
+            .is_some_and(|h| Arc::ptr_eq(&h.lost, lost))
+        && ps.keep_local()
+    {
+        if ps.has_waiters() {
+            // Dropped (so released again) if every waiter left meanwhile.
+            deliver(
+                ps,
+                Lease {
+                    inner: inner.clone(),
+                    pool: pool.to_string(),
+                    idx,
+                    key: key.to_string(),
+                    value: value.to_string(),
+                    lost: lost.clone(),
+                    done: false,
+                },
+            );
+            if !ps.has_waiters() {
+                // A waiter's try may have queued this process in the fleet queue; with
+                // nobody here waiting any more it leaves, or a release elsewhere would
+                // hand it a slot nobody here wants.
+                let (inner, name) = (inner.clone(), pool.to_string());
+                tokio::spawn(async move {
+                    if let Some(ps) = inner.pools.get(&name) {
+                        leave_if_idle(&inner, ps).await;
+                    }
+                });
+            }
+            return Ok(());
+        }
+        lock(&ps.idle).push(IdleSlot {
+            idx,
+            value: value.to_string(),
+            lost: lost.clone(),
+            since: Instant::now(),
+        });
+        if !ps.idle_flusher.swap(true, Ordering::SeqCst) {
+            tokio::spawn(flush_idle(inner.clone(), pool.to_string()));
+        }
+        // A job that began waiting while the slot went idle: it gets it now.
+        if ps.has_waiters()
+            && let Some(lease) = ps.take_idle(inner)
+        {
+            deliver(ps, lease);
+        }
+        return Ok(());
+    }
+    release_to_fleet(inner, pool, idx, key, value, lost).await
+}
+
+/// Gives idle slots of `pool` back to the fleet once they have been idle [`IDLE_HOLD`]
+/// (or at once when another process waits), until none is left.
+async fn flush_idle(inner: Arc<Inner>, pool: String) {
+    let Some(ps) = inner.pools.get(&pool) else {
+        return;
+    };
+    // Should this task end early, the next idle slot must start another. (A second
+    // flusher started in the moment between the flag going down under the lock and this
+    // guard is harmless: both give idle slots back.)
+    struct Flag<'a>(&'a AtomicBool);
+    impl Drop for Flag<'_> {
+        fn drop(&mut self) {
+            self.0.store(false, Ordering::SeqCst);
+        }
+    }
+    let _flag = Flag(&ps.idle_flusher);
+    loop {
+        let oldest = {
+            let idle = lock(&ps.idle);
+            match idle.iter().map(|s| s.since).min() {
+                Some(t) => t,
+                None => {
+                    // Under the idle lock: a slot pushed after this sees the flag down.
+                    ps.idle_flusher.store(false, Ordering::SeqCst);
+                    return;
+                }
+            }
+        };
+        if !ps.others_wait() {
+            tokio::time::sleep_until(oldest + IDLE_HOLD).await;
+        }
+        let due: Vec<IdleSlot> = {
+            let mut idle = lock(&ps.idle);
+            let now_all = ps.others_wait();
+            let (due, keep) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|s| now_all || s.since.elapsed() >= IDLE_HOLD);
+            *idle = keep;
+            due
+        };
+        let releases = due.into_iter().filter(|s| !s.lost.load(Ordering::SeqCst)).map(|s| {
+            let inner = inner.clone();
+            let pool = pool.clone();
+            async move {
+                let key = inner.pools[&pool].slot_keys[s.idx as usize].clone();
+                if let Err(e) =
+                    release_to_fleet(&inner, &pool, s.idx, &key, &s.value, &s.lost).await
+                {
+                    tracing::warn!(error = %e, slot = %key, "idle slot release failed; the TTL frees it");
+                }
+            }
+        });
+        futures::future::join_all(releases).await;
+    }
+}
+
+/// The release through Redis (batched with the others of this moment): token-checked,
+/// handed to the longest-waiting process, or kept for a local waiter.
+async fn release_to_fleet(
+    inner: &Arc<Inner>,
+    pool: &str,
+    idx: u32,
+    key: &str,
+    value: &str,
+    lost: &Arc<AtomicBool>,
+) -> Result<(), SlotError> {
     {
         let mut held = lock(&inner.held);
         if held.get(key).is_some_and(|h| Arc::ptr_eq(&h.lost, lost)) {
@@ -990,6 +1210,11 @@ async fn release_batch(
     let mut status = vec![0; batch.len()];
     for (k, &j) in order.iter().enumerate() {
         status[j] = per_slot.get(k).copied().unwrap_or(0);
+    }
+    // Then, per pool group, how many other processes wait for the pool.
+    let others = per_slot.get(batch.len()..).unwrap_or(&[]);
+    for (g, (ps, ..)) in groups.iter().enumerate() {
+        *lock(&ps.quiet_since) = ((others.get(g) == Some(&0)).then(Instant::now), None);
     }
     for (ps, guard, want, keep_prefix, start, end) in groups {
         // The j-th slot kept in a group holds `keep_prefix` .. j (lua/slot_release.lua).

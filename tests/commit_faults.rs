@@ -1123,3 +1123,225 @@ async fn a_deleted_jobs_stream_is_not_called_a_wrong_type() -> anyhow::Result<()
     assert_eq!(xlen(&mut conn, "{llm}:results").await, 0, "nothing written");
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// Commits in batches (issue 9): one call of lua/commit.lua for the jobs that finished
+// while the previous call ran. Each job is still committed, or refused, on its own.
+
+/// Cost fields of one call of model m1 costing `picos`.
+fn m1_costs(picos: i64) -> Vec<(String, i64)> {
+    vec![
+        ("m1:cost_picos".into(), picos),
+        ("m1:input_tokens".into(), 10),
+        ("m1:calls".into(), 1),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_commits_each_job_on_its_own() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let other = queue_as(&redis, &sim, "worker-b");
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(
+        &mut conn,
+        "llm",
+        &[
+            job("b-1", "a"),
+            job("b-2", "b"),
+            job("b-3", "c"),
+            job("b-4", "d"),
+        ],
+    )
+    .await;
+    read_as(&mut conn, q.consumer()).await;
+    // b-2's copy for retries goes to a key of the wrong type; b-3 was committed by
+    // another worker meanwhile (a take-over).
+    let _: () = conn.set("{llm}:failed", "x").await?;
+    let taken = other
+        .commit(&result_commit(&ids[2], "b-3", "ok", other.consumer()))
+        .await?;
+    assert!(matches!(taken, CommitOutcome::Written { .. }), "{taken:?}");
+    let mut cs = vec![];
+    for (i, id) in ids.iter().enumerate() {
+        let mut c = result_commit(id, &format!("b-{}", i + 1), "ok", q.consumer());
+        c.costs = m1_costs(1000 * (i as i64 + 1));
+        cs.push(c);
+    }
+    cs[1].status = "failed".into();
+    cs[1].dead = vec![(b"job_entry".to_vec(), ids[1].as_bytes().to_vec())];
+    cs[1].dead_is_failed_copy = true;
+    let refs: Vec<&Commit> = cs.iter().collect();
+    let out = q.commit_batch(&refs).await?;
+    assert_eq!(out.len(), 4, "{out:?}");
+    assert!(
+        matches!(out[0], Ok(CommitOutcome::Written { .. })),
+        "{out:?}"
+    );
+    let e = out[1].as_ref().expect_err("b-2 refused");
+    assert!(!e.heals() && e.to_string().contains("{llm}:failed"), "{e}");
+    assert_eq!(
+        out[2].as_ref().ok(),
+        Some(&CommitOutcome::Superseded),
+        "{out:?}"
+    );
+    assert!(
+        matches!(out[3], Ok(CommitOutcome::Written { .. })),
+        "{out:?}"
+    );
+    // Two results of this batch (plus the other worker's), b-2 still pending, and the
+    // cost totals hold exactly b-1's and b-4's.
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 3);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 1);
+    let totals: HashMap<String, String> = conn.hgetall("{llm}:cost").await?;
+    assert_eq!(
+        totals.get("m1:cost_picos").map(String::as_str),
+        Some("5000")
+    );
+    assert_eq!(totals.get("m1:calls").map(String::as_str), Some("2"));
+    assert_eq!(
+        totals.get("m1:input_tokens").map(String::as_str),
+        Some("20")
+    );
+    let done: Option<String> = conn.get("{llm}:done:b-2").await?;
+    assert_eq!(done, None, "nothing written for the refused job");
+    // The same batch again: each written job is recognised, nothing is written twice.
+    let _: () = conn.del("{llm}:failed").await?;
+    let again = q.commit_batch(&refs).await?;
+    assert!(
+        matches!(again[0], Ok(CommitOutcome::AlreadyWritten { .. })),
+        "{again:?}"
+    );
+    assert!(
+        matches!(again[1], Ok(CommitOutcome::Written { .. })),
+        "{again:?}"
+    );
+    assert_eq!(again[2].as_ref().ok(), Some(&CommitOutcome::Superseded));
+    assert!(
+        matches!(again[3], Ok(CommitOutcome::AlreadyWritten { .. })),
+        "{again:?}"
+    );
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 4);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    let picos: String = conn.hget("{llm}:cost", "m1:cost_picos").await?;
+    assert_eq!(picos, "7000", "b-2's cost added once, when it was written");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batchs_cost_sums_are_exact_and_an_overflow_of_the_sum_sends_each_job_alone()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    // Increments past 2^53 (Lua's numbers are doubles): the sum is exact.
+    let ids = push(&mut conn, "llm", &[job("s-1", "a"), job("s-2", "b")]).await;
+    read_as(&mut conn, q.consumer()).await;
+    let mut a = result_commit(&ids[0], "s-1", "ok", q.consumer());
+    a.costs = vec![("big".into(), 4503599627370497)];
+    let mut b = result_commit(&ids[1], "s-2", "ok", q.consumer());
+    b.costs = vec![("big".into(), 4503599627370498)];
+    let out = q.commit_batch(&[&a, &b]).await?;
+    assert!(
+        out.iter()
+            .all(|r| matches!(r, Ok(CommitOutcome::Written { .. }))),
+        "{out:?}"
+    );
+    let big: String = conn.hget("{llm}:cost", "big").await?;
+    assert_eq!(big, "9007199254740995");
+    // Two jobs that each fit alone but whose sum leaves the 64-bit range: the batch
+    // refuses both and changes nothing; sent through `commit_shared` each goes alone,
+    // so the first is written and only the second is refused, naming the field.
+    let _: () = conn
+        .hset("{llm}:cost", "edge", "9223372036854775800")
+        .await?;
+    let ids = push(&mut conn, "llm", &[job("s-3", "a"), job("s-4", "b")]).await;
+    read_as(&mut conn, q.consumer()).await;
+    let mut c = result_commit(&ids[0], "s-3", "ok", q.consumer());
+    c.costs = vec![("edge".into(), 5), ("m1:calls".into(), 1)];
+    let mut d = result_commit(&ids[1], "s-4", "ok", q.consumer());
+    d.costs = vec![("edge".into(), 5), ("m1:calls".into(), 1)];
+    let out = q.commit_batch(&[&c, &d]).await?;
+    assert!(out.iter().all(|r| r.is_err()), "{out:?}");
+    let edge: String = conn.hget("{llm}:cost", "edge").await?;
+    assert_eq!(edge, "9223372036854775800", "untouched");
+    let calls: Option<String> = conn.hget("{llm}:cost", "m1:calls").await?;
+    assert_eq!(calls, None, "the undo puts back exactly what was there");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 2);
+    let (rc, rd) = tokio::join!(
+        q.commit_shared(std::sync::Arc::new(c)),
+        q.commit_shared(std::sync::Arc::new(d))
+    );
+    let (ok, refused) = match (&rc, &rd) {
+        (Ok(_), Err(e)) | (Err(e), Ok(_)) => (if rc.is_ok() { &rc } else { &rd }, e),
+        _ => panic!("one written, one refused: {rc:?} {rd:?}"),
+    };
+    assert!(matches!(ok, Ok(CommitOutcome::Written { .. })), "{ok:?}");
+    assert!(
+        refused.to_string().contains("field edge") && !refused.heals(),
+        "{refused}"
+    );
+    let edge: String = conn.hget("{llm}:cost", "edge").await?;
+    assert_eq!(edge, "9223372036854775805");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 3);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_made_together_share_calls_and_each_gets_its_own_answer() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let jobs: Vec<_> = (0..200).map(|i| job(&format!("t-{i}"), "x")).collect();
+    let ids = push(&mut conn, "llm", &jobs).await;
+    read_as(&mut conn, q.consumer()).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut conn)
+        .await?;
+    let calls = ids.iter().enumerate().map(|(i, id)| {
+        let mut c = result_commit(id, &format!("t-{i}"), "ok", q.consumer());
+        c.costs = m1_costs(7);
+        let q = q.clone();
+        async move { q.commit_shared(std::sync::Arc::new(c)).await }
+    });
+    let out = futures::future::join_all(calls).await;
+    assert!(
+        out.iter()
+            .all(|r| matches!(r, Ok(CommitOutcome::Written { .. })))
+    );
+    let ids_written: std::collections::HashSet<_> = out
+        .iter()
+        .map(|r| match r {
+            Ok(CommitOutcome::Written { result_id }) => result_id.clone(),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(ids_written.len(), 200, "each job its own result");
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 200);
+    assert_eq!(pending_count(&mut conn, "{llm}:jobs", "workers").await, 0);
+    let picos: String = conn.hget("{llm}:cost", "m1:cost_picos").await?;
+    assert_eq!(picos, "1400");
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await?;
+    let evalsha: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|v| v.split(',').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        (1..200).contains(&evalsha),
+        "200 commits made together share calls: {evalsha} calls"
+    );
+    Ok(())
+}

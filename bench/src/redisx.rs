@@ -59,6 +59,9 @@ pub struct Snap {
     pub reads: u64,
     /// cmdstat_<name> calls.
     pub calls: BTreeMap<String, u64>,
+    /// cmdstat_<name> usec (Redis's own time in the command; a script's includes the
+    /// commands it ran, which are also counted under their own names).
+    pub usec: BTreeMap<String, u64>,
     pub used_memory: u64,
 }
 
@@ -82,11 +85,26 @@ pub async fn snap(c: &mut MultiplexedConnection) -> anyhow::Result<Snap> {
                         .and_then(|n| n.parse().ok())
                         .unwrap_or(0);
                     s.calls.insert(name.to_string(), calls);
+                    let usec = v
+                        .split(',')
+                        .find_map(|kv| kv.strip_prefix("usec="))
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or(0);
+                    s.usec.insert(name.to_string(), usec);
                 }
             }
         }
     }
     Ok(s)
+}
+
+/// Per-command usec deltas between two snapshots.
+pub fn usec_delta(a: &Snap, b: &Snap) -> BTreeMap<String, u64> {
+    b.usec
+        .iter()
+        .map(|(k, v)| (k.clone(), v - a.usec.get(k).copied().unwrap_or(0)))
+        .filter(|(_, d)| *d > 0)
+        .collect()
 }
 
 /// Per-command call deltas between two snapshots.

@@ -95,6 +95,9 @@ pub struct Outcome {
     pub key_classes_after: BTreeMap<String, u64>,
     /// INFO commandstats calls per job (commands inside scripts included).
     pub cmdstats_per_job: BTreeMap<String, f64>,
+    /// Redis's usec per job in each command (INFO commandstats; a script's time
+    /// includes its inner commands').
+    pub cmd_usec_per_job: BTreeMap<String, f64>,
     /// MONITOR counts per job, when `monitor` was set.
     pub monitor_client_per_job: Option<BTreeMap<String, f64>>,
     pub monitor_script_per_job: Option<BTreeMap<String, f64>>,
@@ -586,6 +589,10 @@ async fn measure(
         }
     }
     out.cmdstats_per_job = per_job;
+    out.cmd_usec_per_job = redisx::usec_delta(&s0, &s1)
+        .into_iter()
+        .map(|(k, v)| (k, v as f64 / n))
+        .collect();
     if let Some(m) = monitor_counts {
         let pj = |m: &BTreeMap<String, u64>| -> BTreeMap<String, f64> {
             m.iter().map(|(k, v)| (k.clone(), *v as f64 / n)).collect()

@@ -28,6 +28,7 @@ use crate::config::Config;
 use crate::connect::{Commands, ConnectError};
 use crate::scripts;
 use redis::aio::MultiplexedConnection;
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +78,18 @@ impl QueueError {
                 ConnectError::Timeout(_) | ConnectError::Sentinel(_) | ConnectError::Cluster(_),
             ) => true,
             QueueError::Connect(ConnectError::Url(_)) => false,
+        }
+    }
+}
+
+impl QueueError {
+    /// The same error again, for telling several waiters of one failed call (`None` for
+    /// the kinds that cannot be copied: a pool or connect error).
+    fn copy(&self) -> Option<QueueError> {
+        match self {
+            QueueError::Redis(e) => Some(QueueError::Redis(e.clone())),
+            QueueError::Timeout(d) => Some(QueueError::Timeout(*d)),
+            QueueError::Pool(_) | QueueError::Connect(_) => None,
         }
     }
 }
@@ -440,6 +453,8 @@ pub struct Queue {
     keepalive_script: redis::Script,
     reclaim_script: redis::Script,
     claim_idle_ms: u64,
+    /// Commits waiting to be sent together ([`Queue::commit_shared`]).
+    line: Arc<std::sync::Mutex<CommitLine>>,
     /// Entries already reported as deleted by the producer while we work on them (so the
     /// keepalive logs and counts each once).
     reported_deleted: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
@@ -502,6 +517,7 @@ impl Queue {
             keepalive_script: scripts::KEEPALIVE.clone(),
             reclaim_script: scripts::RECLAIM.clone(),
             claim_idle_ms: u64::try_from(cfg.queue.claim_idle_ms.as_millis()).unwrap_or(u64::MAX),
+            line: Default::default(),
             reported_deleted: Default::default(),
         }
     }
@@ -587,57 +603,219 @@ impl Queue {
     /// a key of the wrong type or a script error (retrying the same commit cannot help;
     /// the message names the key).
     pub async fn commit(&self, c: &Commit) -> Result<CommitOutcome, QueueError> {
-        let dedupe_key = self.keys.done(c.dedupe_id.as_deref().unwrap_or(""));
-        let inflight_key = self.keys.inflight(c.inflight_id.as_deref().unwrap_or(""));
-        let ttl = if c.dedupe_id.is_some() {
-            self.dedupe_ttl_s
-        } else {
-            0
-        };
-        let mut inv = crate::scripts::Call::new(&self.commit_script);
-        let letters = if c.dead_is_failed_copy {
-            &self.keys.failed
-        } else {
-            &self.keys.dead
-        };
-        inv.key(&self.keys.jobs)
-            .key(&self.keys.results)
-            .key(letters)
-            .key(&self.keys.costs)
-            .key(dedupe_key)
-            .key(inflight_key)
-            .key(self.keys.handed_back(&c.entry_id))
-            .key(self.keys.dropped());
-        let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
-        inv.key(self.keys.spend(&day))
-            .key(self.keys.spend(&month))
-            .arg(&self.group)
-            .arg(&c.entry_id)
-            .arg(self.results_maxlen)
-            .arg(ttl)
-            .arg(if self.delete_acked { 1 } else { 0 })
-            .arg(&c.status)
-            .arg(&self.consumer);
-        inv.arg(c.result.len());
-        for (k, v) in &c.result {
-            inv.arg(*k).arg(v.as_slice());
-        }
-        inv.arg(c.dead.len());
-        for (k, v) in &c.dead {
-            inv.arg(k.as_slice()).arg(v.as_slice());
-        }
-        inv.arg(c.costs.len());
-        for (k, v) in &c.costs {
-            inv.arg(k).arg(*v);
-        }
-        let mut conn = self.conn.get().await?;
-        let (what, result_id): (String, String) = inv.invoke(&mut conn).await?;
-        Ok(match what.as_str() {
-            "written" => CommitOutcome::Written { result_id },
-            "had" => CommitOutcome::AlreadyWritten { result_id },
-            _ => CommitOutcome::Superseded,
+        let mut all = self.commit_batch(&[c]).await?;
+        all.pop().unwrap_or_else(|| {
+            Err(QueueError::Redis(redis::RedisError::from((
+                redis::ErrorKind::Parse,
+                "commit.lua answered no job",
+            ))))
         })
     }
+
+    /// [`Queue::commit`] for several jobs in one call of `lua/commit.lua`: each job is
+    /// committed in a step of its own (checks, then writes, its XACK after them) and
+    /// answered on its own, in the order given; the cost totals of the batch are added
+    /// with one HINCRBY per field. `Err` is the call's error (nothing answered: some jobs
+    /// may be written, and a later try of those is answered `AlreadyWritten`); a job's
+    /// own error means nothing was written for it.
+    ///
+    /// A job's error in a batch of more than one may come from another job's part of
+    /// the call (a cost field overflowing only in the sum); the error a job gets alone
+    /// ([`Queue::commit`]) is its own.
+    pub async fn commit_batch(
+        &self,
+        commits: &[&Commit],
+    ) -> Result<Vec<Result<CommitOutcome, QueueError>>, QueueError> {
+        let mut inv = crate::scripts::Call::new(&self.commit_script);
+        let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
+        inv.key(&self.keys.jobs)
+            .key(&self.keys.results)
+            .key(&self.keys.costs)
+            .key(self.keys.dropped())
+            .key(self.keys.spend(&day))
+            .key(self.keys.spend(&month))
+            .arg(&self.group)
+            .arg(self.results_maxlen)
+            .arg(if self.delete_acked { 1 } else { 0 })
+            .arg(&self.consumer);
+        for c in commits {
+            let letters = if c.dead_is_failed_copy {
+                &self.keys.failed
+            } else {
+                &self.keys.dead
+            };
+            let ttl = if c.dedupe_id.is_some() {
+                self.dedupe_ttl_s
+            } else {
+                0
+            };
+            inv.key(letters)
+                .key(self.keys.done(c.dedupe_id.as_deref().unwrap_or("")))
+                .key(self.keys.inflight(c.inflight_id.as_deref().unwrap_or("")))
+                .key(self.keys.handed_back(&c.entry_id))
+                .arg(&c.entry_id)
+                .arg(ttl)
+                .arg(&c.status)
+                .arg(if c.inflight_id.is_some() { 1 } else { 0 });
+            inv.arg(c.result.len());
+            for (k, v) in &c.result {
+                inv.arg(*k).arg(v.as_slice());
+            }
+            inv.arg(c.dead.len());
+            for (k, v) in &c.dead {
+                inv.arg(k.as_slice()).arg(v.as_slice());
+            }
+            inv.arg(c.costs.len());
+            for (k, v) in &c.costs {
+                inv.arg(k).arg(*v);
+            }
+        }
+        let mut conn = self.conn.get().await?;
+        let reply = inv.invoke_value(&mut conn).await?;
+        let redis::Value::Array(per_job) = reply else {
+            return Err(QueueError::Redis(redis::RedisError::from((
+                redis::ErrorKind::Parse,
+                "commit.lua answered something other than one reply per job",
+                format!("{reply:?}"),
+            ))));
+        };
+        if per_job.len() != commits.len() {
+            return Err(QueueError::Redis(redis::RedisError::from((
+                redis::ErrorKind::Parse,
+                "commit.lua answered another number of jobs than it was given",
+                format!("{} for {}", per_job.len(), commits.len()),
+            ))));
+        }
+        Ok(per_job.into_iter().map(commit_outcome).collect())
+    }
+
+    /// [`Queue::commit`], sent together with the commits other jobs of this process make
+    /// meanwhile: one call of `lua/commit.lua` carries every commit that came while the
+    /// previous call ran (at most [`COMMIT_BATCH_MAX`] jobs, about
+    /// [`COMMIT_BATCH_BYTES`]), so under load a job costs a fraction of a script call and
+    /// of a round trip, and when idle a commit is sent at once. A job whose part of a
+    /// batch failed in a way that does not heal is sent again alone, so its answer is
+    /// exactly [`Queue::commit`]'s.
+    pub async fn commit_shared(&self, c: Arc<Commit>) -> Result<CommitOutcome, QueueError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let lead = {
+            let mut line = crate::sync::lock(&self.line);
+            line.waiting.push(PendingCommit {
+                commit: c.clone(),
+                done: tx,
+            });
+            !std::mem::replace(&mut line.leading, true)
+        };
+        if lead {
+            // A task of its own: a caller that stops waiting cannot strand the others.
+            tokio::spawn(run_commits(self.clone()));
+        }
+        match rx.await {
+            Ok(Some(r)) => r,
+            // Its part failed in a way that does not heal, or the sender stopped: alone.
+            Ok(None) | Err(_) => self.commit(&c).await,
+        }
+    }
+}
+
+/// Most jobs one call of `lua/commit.lua` carries ([`Queue::commit_shared`]).
+pub const COMMIT_BATCH_MAX: usize = 32;
+/// A batch takes no further job once its commits hold this many bytes.
+pub const COMMIT_BATCH_BYTES: usize = 256 << 10;
+
+/// A commit waiting for the next call of [`run_commits`]; `done` gets `None` when the
+/// job must be sent alone.
+struct PendingCommit {
+    commit: Arc<Commit>,
+    done: tokio::sync::oneshot::Sender<Option<Result<CommitOutcome, QueueError>>>,
+}
+
+/// The commits waiting to be sent, and whether a [`run_commits`] task sends them.
+#[derive(Default)]
+pub(crate) struct CommitLine {
+    waiting: Vec<PendingCommit>,
+    leading: bool,
+}
+
+/// Sends the waiting commits, a batch per call, until none waits.
+async fn run_commits(q: Queue) {
+    // Should this task end early (a panic, the runtime shutting down), the next commit
+    // must lead again and nobody may wait forever: every waiting job is sent alone.
+    struct Leader(Arc<std::sync::Mutex<CommitLine>>);
+    impl Drop for Leader {
+        fn drop(&mut self) {
+            let mut line = crate::sync::lock(&self.0);
+            line.leading = false;
+            for p in line.waiting.drain(..) {
+                let _ = p.done.send(None);
+            }
+        }
+    }
+    let _leader = Leader(q.line.clone());
+    loop {
+        let batch: Vec<PendingCommit> = {
+            let mut line = crate::sync::lock(&q.line);
+            // A caller that stopped waiting (shutdown past its grace) is not committed
+            // behind its back: its entry stays pending for another worker.
+            line.waiting.retain(|p| !p.done.is_closed());
+            if line.waiting.is_empty() {
+                line.leading = false;
+                return;
+            }
+            let mut bytes = 0;
+            let mut n = 0;
+            for p in &line.waiting {
+                if n == COMMIT_BATCH_MAX || (n > 0 && bytes + p.commit.size() > COMMIT_BATCH_BYTES)
+                {
+                    break;
+                }
+                bytes += p.commit.size();
+                n += 1;
+            }
+            line.waiting.drain(..n).collect()
+        };
+        if batch.len() == 1 {
+            if let Some(p) = batch.into_iter().next() {
+                let r = q.commit(&p.commit).await;
+                let _ = p.done.send(Some(r));
+            }
+            continue;
+        }
+        let refs: Vec<&Commit> = batch.iter().map(|p| &*p.commit).collect();
+        match q.commit_batch(&refs).await {
+            Ok(per_job) => {
+                for (p, r) in batch.into_iter().zip(per_job) {
+                    let r = match r {
+                        Ok(o) => Some(Ok(o)),
+                        Err(e) if e.heals() => Some(Err(e)),
+                        Err(_) => None,
+                    };
+                    let _ = p.done.send(r);
+                }
+            }
+            Err(e) => {
+                // Heals: every job is told (each holds its result and tries again); else
+                // each is sent alone, so its answer is its own.
+                for p in batch {
+                    let _ = p.done.send(e.heals().then(|| e.copy()).flatten().map(Err));
+                }
+            }
+        }
+    }
+}
+
+/// One job's part of a commit.lua reply.
+fn commit_outcome(v: redis::Value) -> Result<CommitOutcome, QueueError> {
+    let parsed: Result<(String, String), redis::RedisError> = match v {
+        redis::Value::ServerError(e) => Err(e.into()),
+        v => redis::from_redis_value(v).map_err(redis::RedisError::from),
+    };
+    let (what, result_id) = parsed?;
+    Ok(match what.as_str() {
+        "written" => CommitOutcome::Written { result_id },
+        "had" => CommitOutcome::AlreadyWritten { result_id },
+        _ => CommitOutcome::Superseded,
+    })
 }
 
 impl Queue {

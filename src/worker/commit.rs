@@ -41,17 +41,18 @@ impl Worker {
     pub(super) async fn commit_until_written(
         &self,
         d: &Delivery,
-        commit: &Commit,
+        commit: Commit,
         abort: &CancellationToken,
     ) -> bool {
+        let commit = Arc::new(commit);
         let mut backoff = Backoff::redis();
         let mut held: Option<HeldBytes> = None;
-        let mut fallback: Option<Commit> = None;
+        let mut fallback: Option<Arc<Commit>> = None;
         let mut last_unwritable_log: Option<Instant> = None;
         loop {
             let mut wait = false;
-            let current = fallback.as_ref().unwrap_or(commit);
-            match self.queue.commit(current).await {
+            let current = fallback.as_ref().unwrap_or(&commit);
+            match self.queue.commit_shared(current.clone()).await {
                 Ok(CommitOutcome::Written { .. }) => {
                     if held.is_some() {
                         tracing::info!(entry = %d.entry_id, "held result written");
@@ -88,7 +89,7 @@ impl Worker {
                         tracing::error!(entry = %d.entry_id, error = %e, "result cannot be written as it is (fix the key named); writing a minimal failed result instead");
                         metrics::counter!("llm_worker_commit_unwritable_total").increment(1);
                     }
-                    fallback = Some(self.minimal_failed(d, commit, &e));
+                    fallback = Some(Arc::new(self.minimal_failed(d, &commit, &e)));
                     continue;
                 }
                 Err(e) => {

@@ -60,7 +60,7 @@ impl Worker {
         }
         match commit {
             Some(commit) => {
-                let settled = Box::pin(self.commit_until_written(&d, &commit, &abort)).await;
+                let settled = Box::pin(self.commit_until_written(&d, commit, &abort)).await;
                 if settled && lock(&spent).cap_recorded {
                     self.drop_cap_spent(&d.entry_id);
                 }
