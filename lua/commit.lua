@@ -225,14 +225,34 @@ local function check(job)
   end
   return nil
 end
+-- A job whose entry, result marker or in-progress marker an earlier job of this call
+-- also has is not committed here: its checks would read what that job is about to
+-- change (an `ok` marker set by the earlier job, say). It is answered with an error, and
+-- the worker sends it again alone, after the earlier one.
 local out = {}
 local going = {}
+local taken = {}
 for j = 1, n_jobs do
-  local r = check(J[j])
-  if r then
-    out[j] = r
+  local job = J[j]
+  local marker, inflight = KEYS[job.k + 2], KEYS[job.k + 3]
+  local again = taken[job.entry] or (job.ttl > 0 and taken[marker]) or (job.keyed and taken[inflight])
+  if again then
+    out[j] = redis.error_reply('ERR commit.lua: job ' .. j .. ' shares ' .. again ..
+      ' with an earlier job of this call (send it alone)')
   else
-    going[#going + 1] = J[j]
+    taken[job.entry] = 'entry ' .. job.entry
+    if job.ttl > 0 then
+      taken[marker] = 'key ' .. marker
+    end
+    if job.keyed then
+      taken[inflight] = 'key ' .. inflight
+    end
+    local r = check(job)
+    if r then
+      out[j] = r
+    else
+      going[#going + 1] = job
+    end
   end
 end
 

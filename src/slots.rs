@@ -255,12 +255,29 @@ impl PoolState {
         lock(&self.quiet_since).0.is_none()
     }
 
-    /// An idle slot of this process (not lost), as a lease of the caller's.
+    /// An idle slot of this process that cannot have lapsed (see [`Held::confirmed`]),
+    /// as a lease of the caller's. One that might have is sent back to the fleet through
+    /// the release script (token-checked) instead.
     fn take_idle(&self, inner: &Arc<Inner>) -> Option<Lease> {
         let mut idle = lock(&self.idle);
         while let Some(s) = idle.pop() {
             if s.lost.load(Ordering::SeqCst) {
                 continue; // the renewer found it taken; it left `held` then
+            }
+            let key = &self.slot_keys[s.idx as usize];
+            let live = lock(&inner.held)
+                .get(key)
+                .is_some_and(|h| Arc::ptr_eq(&h.lost, &s.lost) && h.surely_live(inner.ttl));
+            if !live {
+                let (inner, pool, key) = (inner.clone(), self.name.clone(), key.clone());
+                tokio::spawn(async move {
+                    if let Err(e) =
+                        release_to_fleet(&inner, &pool, s.idx, &key, &s.value, &s.lost).await
+                    {
+                        tracing::warn!(error = %e, slot = %key, "idle slot release failed; the TTL frees it");
+                    }
+                });
+                continue;
             }
             return Some(Lease {
                 inner: inner.clone(),
@@ -299,6 +316,18 @@ struct Held {
     /// The slot key's value while this lease holds it (see [`Lease`]).
     value: String,
     lost: Arc<AtomicBool>,
+    /// When a script last gave this lease a full TTL (taken, or renewed: the time the
+    /// script was sent). The `lost` flag is only as fresh as the last renewal; a lease is
+    /// kept in the process for another job only while this is under half a TTL old, so
+    /// it cannot have lapsed meanwhile (a paused process, a renewer cut off).
+    confirmed: Instant,
+}
+
+impl Held {
+    /// True while this lease cannot have lapsed since a script last extended it.
+    fn surely_live(&self, ttl: Duration) -> bool {
+        !self.lost.load(Ordering::SeqCst) && self.confirmed.elapsed() < ttl / 2
+    }
 }
 
 struct Inner {
@@ -812,6 +841,7 @@ fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32, value: String) -> Le
             idx,
             value: value.clone(),
             lost: lost.clone(),
+            confirmed: Instant::now(),
         },
     );
     if let Some(old) = prev {
@@ -924,7 +954,7 @@ async fn release_lease(
         && !inner.stopped.load(Ordering::SeqCst)
         && lock(&inner.held)
             .get(key)
-            .is_some_and(|h| Arc::ptr_eq(&h.lost, lost))
+            .is_some_and(|h| Arc::ptr_eq(&h.lost, lost) && h.surely_live(inner.ttl))
         && ps.keep_local()
     {
         if ps.has_waiters() {
@@ -945,12 +975,7 @@ async fn release_lease(
                 // A waiter's try may have queued this process in the fleet queue; with
                 // nobody here waiting any more it leaves, or a release elsewhere would
                 // hand it a slot nobody here wants.
-                let (inner, name) = (inner.clone(), pool.to_string());
-                tokio::spawn(async move {
-                    if let Some(ps) = inner.pools.get(&name) {
-                        leave_if_idle(&inner, ps).await;
-                    }
-                });
+                spawn_leave_if_idle(inner, pool);
             }
             return Ok(());
         }
@@ -963,15 +988,30 @@ async fn release_lease(
         if !ps.idle_flusher.swap(true, Ordering::SeqCst) {
             tokio::spawn(flush_idle(inner.clone(), pool.to_string()));
         }
-        // A job that began waiting while the slot went idle: it gets it now.
+        // A job that began waiting while the slot went idle: it gets it now (and if that
+        // was the last waiter, whose try may have queued this process, it leaves the
+        // fleet queue, as after any local hand-over).
         if ps.has_waiters()
             && let Some(lease) = ps.take_idle(inner)
         {
             deliver(ps, lease);
+            if !ps.has_waiters() {
+                spawn_leave_if_idle(inner, pool);
+            }
         }
         return Ok(());
     }
     release_to_fleet(inner, pool, idx, key, value, lost).await
+}
+
+/// [`leave_if_idle`] in a task of its own.
+fn spawn_leave_if_idle(inner: &Arc<Inner>, pool: &str) {
+    let (inner, name) = (inner.clone(), pool.to_string());
+    tokio::spawn(async move {
+        if let Some(ps) = inner.pools.get(&name) {
+            leave_if_idle(&inner, ps).await;
+        }
+    });
 }
 
 /// Gives idle slots of `pool` back to the fleet once they have been idle [`IDLE_HOLD`]
@@ -1191,6 +1231,10 @@ async fn release_batch(
             // released leases stay until their TTL. Release both kinds of value, on
             // another connection, until Redis answers (`release_orphans`).
             let mut orphans = vec![];
+            for (ps, ..) in &groups {
+                // No word: the pool's slots go through the script until one comes.
+                *lock(&ps.quiet_since) = (None, None);
+            }
             for (ps, _, want, keep_prefix, start, end) in &groups {
                 for &j in &order[*start..*end] {
                     let p = &batch[j];
@@ -1744,9 +1788,16 @@ async fn renewer(inner: Arc<Inner>, cancel: CancellationToken) {
         if items.len() != due.len() {
             continue; // unreachable: leases are only made for known pools
         }
+        let sent = Instant::now();
         match renew(&inner, &items, &all).await {
             Ok(flags) => {
                 for ((key, lost, pool, idx, _), r) in due.iter().zip(flags) {
+                    if matches!(r, Renewed::Extended | Renewed::Retaken)
+                        && let Some(h) = lock(&inner.held).get_mut(key)
+                        && Arc::ptr_eq(&h.lost, lost)
+                    {
+                        h.confirmed = sent;
+                    }
                     match r {
                         Renewed::Extended => {}
                         Renewed::Retaken => {

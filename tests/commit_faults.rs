@@ -1345,3 +1345,91 @@ async fn commits_made_together_share_calls_and_each_gets_its_own_answer() -> any
     );
     Ok(())
 }
+
+/// Review of the batches: two copies of id X end in one call, the one that ran (`ok`) and
+/// one a cancel marker stopped before any model call (`cancelled`). Committed one after
+/// the other, the `ok` marker stays; in one call the later job must not act on a read of
+/// the marker made before the earlier job set it (a third copy would run, and be paid,
+/// again). Failed before the fix: the third copy was `Claimed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ok_marker_is_not_replaced_by_a_later_job_of_the_same_batch() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &[job("X", "a"), job("X", "b")]).await;
+    read_as(&mut conn, q.consumer()).await;
+    let a = result_commit(&ids[0], "X", "ok", q.consumer());
+    let b = result_commit(&ids[1], "X", "cancelled", q.consumer());
+    let out = q.commit_batch(&[&a, &b]).await?;
+    assert!(
+        matches!(out[0], Ok(CommitOutcome::Written { .. })),
+        "{out:?}"
+    );
+    let e = out[1]
+        .as_ref()
+        .expect_err("the second copy is refused in this call");
+    assert!(!e.heals() && e.to_string().contains("send it alone"), "{e}");
+    // Sent alone (as `commit_shared` does), it is written and the ok marker stays.
+    let alone = q.commit_shared(std::sync::Arc::new(b)).await?;
+    assert!(matches!(alone, CommitOutcome::Written { .. }), "{alone:?}");
+    let marker: String = conn.get("{llm}:done:X").await?;
+    assert!(marker.ends_with("|ok"), "{marker}");
+    let claim = q.claim_id("X", "9999999999999-0").await?;
+    assert!(
+        matches!(claim, llm_worker::queue::IdClaim::Done { .. }),
+        "marker {marker}: a third copy gets {claim:?}"
+    );
+    // Two commits of one id made together are never put in one call.
+    let ids = push(&mut conn, "llm", &[job("Y", "a"), job("Y", "b")]).await;
+    read_as(&mut conn, q.consumer()).await;
+    let (ra, rb) = tokio::join!(
+        q.commit_shared(std::sync::Arc::new(result_commit(
+            &ids[0],
+            "Y",
+            "ok",
+            q.consumer()
+        ))),
+        q.commit_shared(std::sync::Arc::new(result_commit(
+            &ids[1],
+            "Y",
+            "cancelled",
+            q.consumer()
+        )))
+    );
+    assert!(matches!(ra, Ok(CommitOutcome::Written { .. })), "{ra:?}");
+    assert!(matches!(rb, Ok(CommitOutcome::Written { .. })), "{rb:?}");
+    let marker: String = conn.get("{llm}:done:Y").await?;
+    assert!(marker.ends_with("|ok"), "{marker}");
+    Ok(())
+}
+
+/// Review of the batches: the same entry twice in one call gets one result (the second
+/// is refused in the call, and alone it is recognised as already written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_entry_twice_in_one_call_gets_one_result() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let q = queue_for(&redis, &sim).await;
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(&mut conn, "llm", &[job("twice", "a")]).await;
+    read_as(&mut conn, q.consumer()).await;
+    let mut c = result_commit(&ids[0], "twice", "ok", q.consumer());
+    c.dedupe_id = None;
+    c.inflight_id = None;
+    let out = q.commit_batch(&[&c, &c]).await?;
+    assert!(
+        matches!(out[0], Ok(CommitOutcome::Written { .. })),
+        "{out:?}"
+    );
+    assert!(out[1].is_err(), "{out:?}");
+    let again = q.commit(&c).await?;
+    assert!(
+        matches!(again, CommitOutcome::AlreadyWritten { .. }),
+        "{again:?}"
+    );
+    assert_eq!(xlen(&mut conn, "{llm}:results").await, 1);
+    Ok(())
+}

@@ -663,3 +663,47 @@ async fn a_keep_racing_a_pickup_leaves_no_stale_queue_entry() -> anyhow::Result<
     assert_eq!(stale, 0, "stale queue entries of A in {stale}/30 rounds");
     Ok(())
 }
+
+/// Review of slots kept in the process: a lease of A lapsed (its renewer did not run: a
+/// paused process) and B took the slot; A must not hand that lease to a job of its own
+/// (a third call on N = 2) just because the release script's last word was that nobody
+/// else waits. Failed before the fix: A's waiter got a slot whose key held B's value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_is_not_handed_to_a_local_waiter() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 2;
+    tc.ttl_ms = 1000;
+    let cancel = CancellationToken::new();
+    let mut cfg = tc.parsed();
+    cfg.queue.consumer = "pa".into();
+    cfg.redis.command_timeout_ms = Duration::from_millis(300);
+    // A without its background tasks: as if paused, its renewer does not run.
+    let a = llm_worker::slots::Slots::connect(&cfg, llm_worker::connect::commands(&cfg)?).await?;
+    let b = slots_for(&tc, "pb", &cancel).await; // ticks the lease clock: no stall seen
+    let t = Duration::from_secs(3);
+    let l0 = a.acquire("default", t).await?;
+    let l1 = a.acquire("default", t).await?;
+    tokio::time::sleep(Duration::from_millis(1300)).await; // A's leases lapse
+    let b0 = b.acquire("default", t).await?;
+    let b1 = b.acquire("default", t).await?;
+    let aa = a.clone();
+    let w = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(3)).await });
+    tokio::time::sleep(Duration::from_millis(200)).await; // W queued (no free slot)
+    l0.release().await?; // through Redis: not ours; the word: no other process waits
+    l1.release().await?; // within QUIET_FOR
+    let got = w.await?;
+    let mut conn = redis.conn().await;
+    if let Ok(l) = &got {
+        let v = slot_value(&mut conn, &format!("{{llm}}:slot:default:{}", l.index())).await;
+        panic!(
+            "A's waiter got slot {} whose key holds {v:?} (B holds {} and {})",
+            l.index(),
+            b0.index(),
+            b1.index()
+        );
+    }
+    cancel.cancel();
+    Ok(())
+}

@@ -45,6 +45,8 @@ impl Worker {
         abort: &CancellationToken,
     ) -> bool {
         let commit = Arc::new(commit);
+        let started = Instant::now();
+        let _timed = CommitTimer(started);
         let mut backoff = Backoff::redis();
         let mut held: Option<HeldBytes> = None;
         let mut fallback: Option<Arc<Commit>> = None;
@@ -350,6 +352,16 @@ impl Worker {
         result.metadata = job.metadata.as_ref().map(|m| m.to_string());
         result.tenant = job.tenant.clone();
         Commit::result_only(&d.entry_id, result)
+    }
+}
+
+/// Records how long a job's commit took (from its result to its settling, held results
+/// included) when the commit ends, however it ends.
+struct CommitTimer(Instant);
+
+impl Drop for CommitTimer {
+    fn drop(&mut self) {
+        metrics::histogram!("llm_worker_commit_seconds").record(self.0.elapsed().as_secs_f64());
     }
 }
 
