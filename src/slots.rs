@@ -353,6 +353,9 @@ struct Inner {
     next_nonce: AtomicU64,
     /// Fault injection for tests: how long the releaser waits before each release script.
     release_delay: Mutex<Duration>,
+    /// Fault injection for tests: how long an acquire's reply is held before its leases
+    /// are made (as in a process paused right after the script ran).
+    acquire_reply_delay: Mutex<Duration>,
     /// Fault injection for tests: how long the driver's stream check of a fresh
     /// connection stalls (as on a Redis that stopped answering after the connect).
     mark_check_delay: Mutex<Duration>,
@@ -397,8 +400,9 @@ impl std::fmt::Debug for Lease {
 }
 
 enum Try {
-    /// Slots taken (at least one, at most the number asked for), with their values.
-    Got(Vec<(u32, String)>),
+    /// Slots taken (at least one, at most the number asked for), with their values, and
+    /// when the script that took them was sent (each lease's [`Held::confirmed`]).
+    Got(Vec<(u32, String)>, Instant),
     Wait(Duration),
 }
 
@@ -491,6 +495,7 @@ impl Slots {
                 releases: Mutex::new((Vec::new(), false)),
                 next_nonce: AtomicU64::new(1),
                 release_delay: Mutex::new(Duration::ZERO),
+                acquire_reply_delay: Mutex::new(Duration::ZERO),
                 mark_check_delay: Mutex::new(Duration::ZERO),
             }),
         })
@@ -506,6 +511,13 @@ impl Slots {
     #[doc(hidden)]
     pub fn delay_releases_for_tests(&self, d: Duration) {
         *lock(&self.inner.release_delay) = d;
+    }
+
+    /// Fault injection for tests: every acquire script's reply is held `d` before its
+    /// leases are made (a process paused right after the script ran).
+    #[doc(hidden)]
+    pub fn delay_acquire_replies_for_tests(&self, d: Duration) {
+        *lock(&self.inner.acquire_reply_delay) = d;
     }
 
     /// Fault injection for tests: the driver's check of the hand-off streams on every
@@ -546,9 +558,9 @@ impl Slots {
             return Ok(Some(lease));
         }
         match try_take_detached(&self.inner, pool, false).await? {
-            Try::Got(mut i) => {
+            Try::Got(mut i, sent) => {
                 let (idx, value) = i.swap_remove(0);
-                Ok(Some(make_lease(&self.inner, ps, idx, value)))
+                Ok(Some(make_lease(&self.inner, ps, idx, value, sent)))
             }
             Try::Wait(_) => Ok(None),
         }
@@ -590,9 +602,9 @@ impl Slots {
             };
             match tried {
                 None => {}
-                Some(Ok(Try::Got(mut i))) => {
+                Some(Ok(Try::Got(mut i, sent))) => {
                     let (idx, value) = i.swap_remove(0);
-                    let lease = make_lease(inner, ps, idx, value);
+                    let lease = make_lease(inner, ps, idx, value, sent);
                     if !remove_waiter(ps, id) {
                         // A hand-off reached our entry meanwhile; whatever it sends us is
                         // dropped with `rx` and so released.
@@ -765,9 +777,9 @@ async fn try_take_detached(
             return;
         };
         let r = try_take(&inner, ps, enqueue, 1).await;
-        if let Err(Ok(Try::Got(taken))) = tx.send(r) {
+        if let Err(Ok(Try::Got(taken, sent))) = tx.send(r) {
             for (idx, value) in taken {
-                drop(make_lease(&inner, ps, idx, value));
+                drop(make_lease(&inner, ps, idx, value, sent));
             }
         }
     });
@@ -796,8 +808,13 @@ async fn try_take(
         .arg(want);
     let prefix = format!("{}.", lease_value(inner));
     inv.arg(&prefix);
+    let sent = Instant::now();
     let mut conn = inner.conn.get().await?;
     let reply: Vec<i64> = inv.invoke(&mut conn).await?;
+    let held_up = *lock(&inner.acquire_reply_delay);
+    if !held_up.is_zero() {
+        tokio::time::sleep(held_up).await;
+    }
     #[cfg(debug_assertions)]
     if let Some(ms) = std::env::var("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS")
         .ok()
@@ -824,14 +841,21 @@ async fn try_take(
         if got.is_empty() {
             Try::Wait(Duration::from_millis(1))
         } else {
-            Try::Got(got)
+            Try::Got(got, sent)
         }
     } else {
         Try::Wait(Duration::from_millis(wait.max(1) as u64))
     })
 }
 
-fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32, value: String) -> Lease {
+/// `confirmed`: when the script that gave this lease its full TTL was sent.
+fn make_lease(
+    inner: &Arc<Inner>,
+    ps: &PoolState,
+    idx: u32,
+    value: String,
+    confirmed: Instant,
+) -> Lease {
     let key = ps.slot_keys[idx as usize].clone();
     let lost = Arc::new(AtomicBool::new(false));
     let prev = lock(&inner.held).insert(
@@ -841,7 +865,7 @@ fn make_lease(inner: &Arc<Inner>, ps: &PoolState, idx: u32, value: String) -> Le
             idx,
             value: value.clone(),
             lost: lost.clone(),
-            confirmed: Instant::now(),
+            confirmed,
         },
     );
     if let Some(old) = prev {
@@ -1217,6 +1241,7 @@ async fn release_batch(
         groups.push((ps, guard, want, keep_prefix, start, end));
         start = end;
     }
+    let asked_at = Instant::now();
     let sent = async {
         let mut conn = inner.conn.get().await?;
         let reply: Vec<i64> = inv.invoke(&mut conn).await?;
@@ -1267,7 +1292,7 @@ async fn release_batch(
             if status[j] == 3 {
                 kept += 1;
                 let value = format!("{keep_prefix}{kept}");
-                deliver(ps, make_lease(inner, ps, batch[j].idx, value));
+                deliver(ps, make_lease(inner, ps, batch[j].idx, value, asked_at));
             }
         }
         drop(guard);
@@ -1557,12 +1582,13 @@ async fn pick_up(inner: &Arc<Inner>, ps: &PoolState, idx: u32) {
     // any call runs on it.
     // The pick-up also stamps the lease's own value over the bare token.
     let value = lease_value(inner);
+    let asked_at = Instant::now();
     match renew(inner, &[(ps, idx, &inner.token, &value)], &[])
         .await
         .map(|r| r.first().copied())
     {
         Ok(Some(Renewed::Extended | Renewed::Retaken)) => {
-            deliver(ps, make_lease(inner, ps, idx, value));
+            deliver(ps, make_lease(inner, ps, idx, value, asked_at));
         }
         Ok(_) => {
             tracing::debug!(pool = %ps.name, slot = idx, "handed slot taken by another before pick-up");
@@ -1669,10 +1695,10 @@ async fn retry_pool(inner: &Arc<Inner>, ps: &PoolState) {
         let tried = try_take(inner, ps, true, want).await;
         ps.try_failed.store(tried.is_err(), Ordering::SeqCst);
         match tried {
-            Ok(Try::Got(taken)) => {
+            Ok(Try::Got(taken, sent)) => {
                 *lock(&ps.next_check) = Instant::now();
                 for i in taken {
-                    deliver(ps, make_lease(inner, ps, i.0, i.1));
+                    deliver(ps, make_lease(inner, ps, i.0, i.1, sent));
                 }
                 if !ps.has_waiters() {
                     return;

@@ -707,3 +707,53 @@ async fn a_lapsed_lease_is_not_handed_to_a_local_waiter() -> anyhow::Result<()> 
     cancel.cancel();
     Ok(())
 }
+
+/// Second review of slots kept in the process: a lease counts as confirmed from when the
+/// script that took it was sent, not from when its reply was read. A process paused
+/// between the two (here: the reply held 1.3 s, ttl 1 s) must not hand the lapsed lease
+/// to a job of its own. Failed before the fix: A's waiter got a slot another holder had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lapsed_before_its_reply_was_read_is_not_handed_on() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 2;
+    tc.ttl_ms = 1000;
+    let mut cfg = tc.parsed();
+    cfg.queue.consumer = "pa".into();
+    cfg.redis.command_timeout_ms = Duration::from_millis(300);
+    let a = llm_worker::slots::Slots::connect(&cfg, llm_worker::connect::commands(&cfg)?).await?;
+    let mut conn = redis.conn().await;
+    a.delay_acquire_replies_for_tests(Duration::from_millis(1300));
+    let (a1, a2) = (a.clone(), a.clone());
+    let (r0, r1, _) = tokio::join!(
+        async move { a1.try_acquire("default").await },
+        async move { a2.try_acquire("default").await },
+        async {
+            // Both of A's keys (PX 1000) lapse while its replies are held up; another
+            // holder takes them.
+            tokio::time::sleep(Duration::from_millis(1150)).await;
+            let mut c = redis.conn().await;
+            for i in 0..2 {
+                let k = format!("{{llm}}:slot:default:{i}");
+                let v: Option<String> = c.get(&k).await.expect("GET");
+                assert!(v.is_none(), "A's key {k} should have lapsed: {v:?}");
+                let _: () = c.set_ex(&k, "other#1", 10).await.expect("SET");
+            }
+        }
+    );
+    a.delay_acquire_replies_for_tests(Duration::ZERO);
+    let l0 = r0?.expect("slot 0");
+    let l1 = r1?.expect("slot 1");
+    let aa = a.clone();
+    let w = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(2)).await });
+    tokio::time::sleep(Duration::from_millis(50)).await; // W queued (no free slot)
+    l0.release().await?; // through Redis: not ours; the word: no other process waits
+    l1.release().await?; // within QUIET_FOR
+    let got = w.await?;
+    if let Ok(l) = &got {
+        let v = slot_value(&mut conn, &format!("{{llm}}:slot:default:{}", l.index())).await;
+        panic!("A's waiter got slot {} whose key holds {v:?}", l.index());
+    }
+    Ok(())
+}

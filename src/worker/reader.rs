@@ -191,22 +191,13 @@ impl Worker {
             };
             match read {
                 Ok(mut deliveries) => {
+                    self.check_cancels(&mut deliveries).await;
                     self.redis_up();
                     backoff.reset();
-                    // The cancel check of the batch (one MGET) and the start of its jobs
-                    // run beside the next read, not before it: the reader waited out a
-                    // round trip per read for it, while freed permits waited to be read.
-                    // Tracked, so the drain waits for it and for the jobs it starts.
-                    let take = deliveries.len().min(permits.len());
-                    deliveries.truncate(take);
-                    let mine = permits.split_off(permits.len() - take);
-                    let (me, t, a) = (self.clone(), tracker.clone(), abort.clone());
-                    tracker.spawn(async move {
-                        me.check_cancels(&mut deliveries).await;
-                        for (d, permit) in deliveries.into_iter().zip(mine) {
-                            me.spawn_job(&t, d, permit, &a);
-                        }
-                    });
+                    for d in deliveries {
+                        let Some(permit) = permits.pop() else { break };
+                        self.spawn_job(&tracker, d, permit, &abort);
+                    }
                 }
                 Err(e) => {
                     conn = None;
