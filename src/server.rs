@@ -103,8 +103,12 @@ pub const WAIT_SECONDS: [f64; 13] = [
     0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 ];
 
-/// The Prometheus exporter's builder: every `*_seconds` metric a histogram (buckets
-/// aggregate across a fleet of pods; a summary's quantiles do not).
+/// Buckets of `llm_worker_commit_batch_jobs` (jobs per commit call, at most 32).
+const BATCH_JOBS: [f64; 6] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
+
+/// The Prometheus exporter's builder: every histogram with buckets (they aggregate
+/// across a fleet of pods; a summary's quantiles do not): every `*_seconds` metric, and
+/// `llm_worker_commit_batch_jobs`.
 pub fn metrics_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
     use metrics_exporter_prometheus::Matcher;
     let b = metrics_exporter_prometheus::PrometheusBuilder::new();
@@ -112,6 +116,11 @@ pub fn metrics_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
         .set_buckets_for_metric(
             Matcher::Full("llm_worker_slot_wait_seconds".into()),
             &WAIT_SECONDS,
+        )
+        .expect("non-empty buckets")
+        .set_buckets_for_metric(
+            Matcher::Full("llm_worker_commit_batch_jobs".into()),
+            &BATCH_JOBS,
         )
         .expect("non-empty buckets");
     b.set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LLM_SECONDS)
@@ -121,6 +130,28 @@ pub fn metrics_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
 #[cfg(test)]
 mod tests {
     use super::with_usd;
+
+    /// Every histogram the worker records renders with buckets, never as a summary:
+    /// `llm_worker_commit_batch_jobs` (recorded only when a commit call carries several
+    /// jobs) once rendered as one (`quantile=`), and tests/observability.rs failed when
+    /// a run happened to batch.
+    #[test]
+    fn recorded_histograms_render_as_histograms() {
+        let recorder = super::metrics_builder().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            metrics::histogram!("llm_worker_commit_batch_jobs").record(5.0);
+            metrics::histogram!("llm_worker_commit_seconds").record(0.002);
+            metrics::histogram!("llm_worker_job_seconds").record(0.1);
+        });
+        let text = handle.render();
+        assert!(!text.contains("quantile="), "{text}");
+        assert!(
+            text.contains("llm_worker_commit_batch_jobs_bucket{le=\"8\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("llm_worker_commit_seconds_bucket"), "{text}");
+    }
 
     #[test]
     fn usd_series_follow_the_picodollar_counters() {
