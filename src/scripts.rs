@@ -64,23 +64,16 @@ impl<'a> Call<'a> {
         cmd
     }
 
-    /// Runs the script (loading it first if Redis does not know it) and parses its reply.
+    /// Runs the script (loading it first if Redis does not know it) and parses its reply;
+    /// an error anywhere in the reply is the call's error.
     pub async fn invoke<T: redis::FromRedisValue>(
         &self,
         con: &mut impl redis::aio::ConnectionLike,
     ) -> redis::RedisResult<T> {
-        let cmd = self.command();
-        match cmd.query_async(con).await {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                self.script.load_async(con).await?;
-                cmd.query_async(con).await
-            }
-            r => r,
-        }
+        let v = self.invoke_value(con).await?;
+        Ok(redis::from_redis_value(v.extract_error()?)?)
     }
-}
 
-impl Call<'_> {
     /// Runs the script like [`Call::invoke`] and returns its reply as Redis gave it:
     /// error replies nested in an array stay in place as `Value::ServerError` (the
     /// commit script answers each job of a batch on its own; `invoke` would turn one

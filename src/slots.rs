@@ -269,25 +269,10 @@ impl PoolState {
                 .get(key)
                 .is_some_and(|h| Arc::ptr_eq(&h.lost, &s.lost) && h.surely_live(inner.ttl));
             if !live {
-                let (inner, pool, key) = (inner.clone(), self.name.clone(), key.clone());
-                tokio::spawn(async move {
-                    if let Err(e) =
-                        release_to_fleet(&inner, &pool, s.idx, &key, &s.value, &s.lost).await
-                    {
-                        tracing::warn!(error = %e, slot = %key, "idle slot release failed; the TTL frees it");
-                    }
-                });
+                tokio::spawn(release_idle(inner.clone(), self.name.clone(), s));
                 continue;
             }
-            return Some(Lease {
-                inner: inner.clone(),
-                pool: self.name.clone(),
-                idx: s.idx,
-                key: self.slot_keys[s.idx as usize].clone(),
-                value: s.value,
-                lost: s.lost,
-                done: false,
-            });
+            return Some(Lease::again(inner, &self.name, s.idx, key, s.value, s.lost));
         }
         None
     }
@@ -391,6 +376,29 @@ pub struct Lease {
     value: String,
     lost: Arc<AtomicBool>,
     done: bool,
+}
+
+impl Lease {
+    /// A new lease object for a slot this process keeps holding (its `held` entry, value
+    /// and lost flag unchanged): the previous object was consumed by its release.
+    fn again(
+        inner: &Arc<Inner>,
+        pool: &str,
+        idx: u32,
+        key: &str,
+        value: String,
+        lost: Arc<AtomicBool>,
+    ) -> Lease {
+        Lease {
+            inner: inner.clone(),
+            pool: pool.to_string(),
+            idx,
+            key: key.to_string(),
+            value,
+            lost,
+            done: false,
+        }
+    }
 }
 
 impl std::fmt::Debug for Lease {
@@ -982,25 +990,8 @@ async fn release_lease(
         && ps.keep_local()
     {
         if ps.has_waiters() {
-            // Dropped (so released again) if every waiter left meanwhile.
-            deliver(
-                ps,
-                Lease {
-                    inner: inner.clone(),
-                    pool: pool.to_string(),
-                    idx,
-                    key: key.to_string(),
-                    value: value.to_string(),
-                    lost: lost.clone(),
-                    done: false,
-                },
-            );
-            if !ps.has_waiters() {
-                // A waiter's try may have queued this process in the fleet queue; with
-                // nobody here waiting any more it leaves, or a release elsewhere would
-                // hand it a slot nobody here wants.
-                spawn_leave_if_idle(inner, pool);
-            }
+            let lease = Lease::again(inner, pool, idx, key, value.to_string(), lost.clone());
+            hand_to_waiter(inner, ps, lease);
             return Ok(());
         }
         lock(&ps.idle).push(IdleSlot {
@@ -1012,30 +1003,39 @@ async fn release_lease(
         if !ps.idle_flusher.swap(true, Ordering::SeqCst) {
             tokio::spawn(flush_idle(inner.clone(), pool.to_string()));
         }
-        // A job that began waiting while the slot went idle: it gets it now (and if that
-        // was the last waiter, whose try may have queued this process, it leaves the
-        // fleet queue, as after any local hand-over).
+        // A job that began waiting while the slot went idle: it gets it now.
         if ps.has_waiters()
             && let Some(lease) = ps.take_idle(inner)
         {
-            deliver(ps, lease);
-            if !ps.has_waiters() {
-                spawn_leave_if_idle(inner, pool);
-            }
+            hand_to_waiter(inner, ps, lease);
         }
         return Ok(());
     }
     release_to_fleet(inner, pool, idx, key, value, lost).await
 }
 
-/// [`leave_if_idle`] in a task of its own.
-fn spawn_leave_if_idle(inner: &Arc<Inner>, pool: &str) {
-    let (inner, name) = (inner.clone(), pool.to_string());
-    tokio::spawn(async move {
-        if let Some(ps) = inner.pools.get(&name) {
-            leave_if_idle(&inner, ps).await;
-        }
-    });
+/// Gives a lease kept in the process to the local waiter that waits longest (dropped, so
+/// released again, if every waiter left meanwhile). If that was the last waiter, whose
+/// try may have queued this process in the fleet queue, the process leaves the queue (in
+/// a task of its own), or a release elsewhere would hand it a slot nobody here wants.
+fn hand_to_waiter(inner: &Arc<Inner>, ps: &PoolState, lease: Lease) {
+    deliver(ps, lease);
+    if !ps.has_waiters() {
+        let (inner, name) = (inner.clone(), ps.name.clone());
+        tokio::spawn(async move {
+            if let Some(ps) = inner.pools.get(&name) {
+                leave_if_idle(&inner, ps).await;
+            }
+        });
+    }
+}
+
+/// An idle slot back to the fleet through the release script (token-checked).
+async fn release_idle(inner: Arc<Inner>, pool: String, s: IdleSlot) {
+    let key = inner.pools[&pool].slot_keys[s.idx as usize].clone();
+    if let Err(e) = release_to_fleet(&inner, &pool, s.idx, &key, &s.value, &s.lost).await {
+        tracing::warn!(error = %e, slot = %key, "idle slot release failed; the TTL frees it");
+    }
 }
 
 /// Gives idle slots of `pool` back to the fleet once they have been idle [`IDLE_HOLD`]
@@ -1078,18 +1078,10 @@ async fn flush_idle(inner: Arc<Inner>, pool: String) {
             *idle = keep;
             due
         };
-        let releases = due.into_iter().filter(|s| !s.lost.load(Ordering::SeqCst)).map(|s| {
-            let inner = inner.clone();
-            let pool = pool.clone();
-            async move {
-                let key = inner.pools[&pool].slot_keys[s.idx as usize].clone();
-                if let Err(e) =
-                    release_to_fleet(&inner, &pool, s.idx, &key, &s.value, &s.lost).await
-                {
-                    tracing::warn!(error = %e, slot = %key, "idle slot release failed; the TTL frees it");
-                }
-            }
-        });
+        let releases = due
+            .into_iter()
+            .filter(|s| !s.lost.load(Ordering::SeqCst))
+            .map(|s| release_idle(inner.clone(), pool.clone(), s));
         futures::future::join_all(releases).await;
     }
 }

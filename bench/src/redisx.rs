@@ -79,18 +79,15 @@ pub async fn snap(c: &mut MultiplexedConnection) -> anyhow::Result<Snap> {
             "used_memory" => s.used_memory = v.trim().parse().unwrap_or(0),
             _ => {
                 if let Some(name) = k.strip_prefix("cmdstat_") {
-                    let calls = v
-                        .split(',')
-                        .find_map(|kv| kv.strip_prefix("calls="))
-                        .and_then(|n| n.parse().ok())
-                        .unwrap_or(0);
-                    s.calls.insert(name.to_string(), calls);
-                    let usec = v
-                        .split(',')
-                        .find_map(|kv| kv.strip_prefix("usec="))
-                        .and_then(|n| n.parse().ok())
-                        .unwrap_or(0);
-                    s.usec.insert(name.to_string(), usec);
+                    // `calls=N,usec=N,...`: one field of it, 0 if absent.
+                    let field = |f: &str| -> u64 {
+                        v.split(',')
+                            .find_map(|kv| kv.strip_prefix(f))
+                            .and_then(|n| n.parse().ok())
+                            .unwrap_or(0)
+                    };
+                    s.calls.insert(name.to_string(), field("calls="));
+                    s.usec.insert(name.to_string(), field("usec="));
                 }
             }
         }
@@ -98,20 +95,11 @@ pub async fn snap(c: &mut MultiplexedConnection) -> anyhow::Result<Snap> {
     Ok(s)
 }
 
-/// Per-command usec deltas between two snapshots.
-pub fn usec_delta(a: &Snap, b: &Snap) -> BTreeMap<String, u64> {
-    b.usec
-        .iter()
-        .map(|(k, v)| (k.clone(), v - a.usec.get(k).copied().unwrap_or(0)))
-        .filter(|(_, d)| *d > 0)
-        .collect()
-}
-
-/// Per-command call deltas between two snapshots.
-pub fn call_delta(a: &Snap, b: &Snap) -> BTreeMap<String, u64> {
-    b.calls
-        .iter()
-        .map(|(k, v)| (k.clone(), v - a.calls.get(k).copied().unwrap_or(0)))
+/// Per-command deltas between two snapshots' counts (`Snap::calls` or `Snap::usec`);
+/// commands that did not move are left out.
+pub fn delta(a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    b.iter()
+        .map(|(k, v)| (k.clone(), v - a.get(k).copied().unwrap_or(0)))
         .filter(|(_, d)| *d > 0)
         .collect()
 }

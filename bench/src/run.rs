@@ -576,7 +576,7 @@ async fn measure(
     out.redis_cpu_ms_per_job = (s1.cpu - s0.cpu) * 1e3 / n;
     out.worker_cpu_ms_per_job = (cpu1 - cpu0) * 1e3 / n;
     let mut per_job: BTreeMap<String, f64> = BTreeMap::new();
-    for (k, v) in redisx::call_delta(&s0, &s1) {
+    for (k, v) in redisx::delta(&s0.calls, &s1.calls) {
         let own_k = match k.as_str() {
             "xlen" if spec.subject == Subject::Llm => polls,
             "zcard" if spec.subject == Subject::Peer => 2 * polls,
@@ -589,7 +589,7 @@ async fn measure(
         }
     }
     out.cmdstats_per_job = per_job;
-    out.cmd_usec_per_job = redisx::usec_delta(&s0, &s1)
+    out.cmd_usec_per_job = redisx::delta(&s0.usec, &s1.usec)
         .into_iter()
         .map(|(k, v)| (k, v as f64 / n))
         .collect();

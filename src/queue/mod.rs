@@ -604,12 +604,9 @@ impl Queue {
     /// the message names the key).
     pub async fn commit(&self, c: &Commit) -> Result<CommitOutcome, QueueError> {
         let mut all = self.commit_batch(&[c]).await?;
-        all.pop().unwrap_or_else(|| {
-            Err(QueueError::Redis(redis::RedisError::from((
-                redis::ErrorKind::Parse,
-                "commit.lua answered no job",
-            ))))
-        })
+        // commit_batch answers exactly one reply per job given
+        all.pop()
+            .unwrap_or_else(|| Err(bad_reply("no job", String::new())))
     }
 
     /// [`Queue::commit`] for several jobs in one call of `lua/commit.lua`: each job is
@@ -673,18 +670,16 @@ impl Queue {
         let mut conn = self.conn.get().await?;
         let reply = inv.invoke_value(&mut conn).await?;
         let redis::Value::Array(per_job) = reply else {
-            return Err(QueueError::Redis(redis::RedisError::from((
-                redis::ErrorKind::Parse,
-                "commit.lua answered something other than one reply per job",
+            return Err(bad_reply(
+                "something other than one reply per job",
                 format!("{reply:?}"),
-            ))));
+            ));
         };
         if per_job.len() != commits.len() {
-            return Err(QueueError::Redis(redis::RedisError::from((
-                redis::ErrorKind::Parse,
-                "commit.lua answered another number of jobs than it was given",
+            return Err(bad_reply(
+                "another number of jobs than it was given",
                 format!("{} for {}", per_job.len(), commits.len()),
-            ))));
+            ));
         }
         Ok(per_job.into_iter().map(commit_outcome).collect())
     }
@@ -694,9 +689,8 @@ impl Queue {
     /// previous call ran (at most [`COMMIT_BATCH_MAX`] jobs, about
     /// [`COMMIT_BATCH_BYTES`]; [`COMMIT_SENDERS`] calls on the wire at once), so under
     /// load a job costs a fraction of a script call and of a round trip, and when idle a
-    /// commit is sent at once. A job whose part of a
-    /// batch failed in a way that does not heal is sent again alone, so its answer is
-    /// exactly [`Queue::commit`]'s.
+    /// commit is sent at once. A job whose part of a batch failed in a way that does not
+    /// heal is sent again alone, so its answer is exactly [`Queue::commit`]'s.
     pub async fn commit_shared(&self, c: Arc<Commit>) -> Result<CommitOutcome, QueueError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let lead = {
@@ -844,6 +838,15 @@ fn take_batch(waiting: &mut Vec<PendingCommit>) -> Vec<PendingCommit> {
         batch.push(waiting.remove(i - n));
     }
     batch
+}
+
+/// A commit.lua reply of the wrong shape (a worker bug: it does not heal).
+fn bad_reply(what: &'static str, detail: String) -> QueueError {
+    QueueError::Redis(redis::RedisError::from((
+        redis::ErrorKind::Parse,
+        what,
+        format!("commit.lua answered {what}: {detail}"),
+    )))
 }
 
 /// One job's part of a commit.lua reply.
