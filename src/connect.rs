@@ -440,6 +440,16 @@ impl Commands {
                 });
             }
         }
+        // Boxed: connecting (a pool checkout that may dial, or a master lookup) is a
+        // state machine of about 7 KB. Inline, it would sit in the future of every command
+        // and of every job awaiting one (measured: a job's future was 17 KB, most of it
+        // this); boxed, only a reconnect pays for it.
+        Box::pin(self.connect()).await
+    }
+
+    /// [`Commands::get`]'s slow path: a new connection, kept unless another task connected
+    /// meanwhile.
+    async fn connect(&self) -> Result<CommandConn, deadpool_redis::PoolError> {
         let fresh = match &self.inner.source {
             Source::Pool(pool) => {
                 let mut c = deadpool_redis::Connection::take(pool.get().await?);
@@ -607,6 +617,20 @@ mod tests {
         let u = master_url("redis://placeholder:6379", "::1", 7000).unwrap();
         assert_eq!(u, "redis://[::1]:7000");
         assert!(u.as_str().into_connection_info().is_ok());
+    }
+
+    /// Every command's future, and every job's, holds a `get` future: connecting must
+    /// stay out of it (boxed), or each job's state machine grows by kilobytes (issue 9:
+    /// 17 KB a job, most of the RSS at 1,000 jobs in flight).
+    #[test]
+    fn a_commands_get_future_is_small_connecting_is_boxed() {
+        let pool = deadpool_redis::Config::from_url("redis://127.0.0.1:1")
+            .create_pool(Some(deadpool_redis::Runtime::Tokio1))
+            .unwrap();
+        let cmds = Commands::new(Source::Pool(pool), Duration::from_secs(1));
+        let fut = cmds.get();
+        let size = std::mem::size_of_val(&fut);
+        assert!(size <= 512, "Commands::get's future is {size} bytes");
     }
 
     #[test]
