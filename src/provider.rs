@@ -77,6 +77,15 @@ pub enum ProviderError {
     /// `from_cause!`).
     #[error("provider {name}: cannot build HTTP client: {error}")]
     Client { name: String, error: reqwest::Error },
+    /// `base_url` + `/chat/completions` is not a URL (validation checks the scheme only).
+    /// The URL itself is not printed: it may carry credentials.
+    #[error(
+        "provider {name}: base_url does not make a valid URL: {error} (fix providers.{name}.base_url)"
+    )]
+    Url {
+        name: String,
+        error: url::ParseError,
+    },
 }
 
 /// The body sent for a job: the job's payload without the worker's own fields (and
@@ -116,7 +125,9 @@ impl serde::Serialize for RequestBody<'_> {
 
 pub struct ProviderClient {
     http: reqwest::Client,
-    url: String,
+    /// Parsed once: parsing it for every call (IDNA host checks included) was about 1.5%
+    /// of a job's CPU at a 0 ms model.
+    url: reqwest::Url,
     api_key: Option<Secret>,
     limiter: DefaultDirectRateLimiter,
 }
@@ -133,9 +144,14 @@ impl ProviderClient {
                 error,
             })?;
         let rps = cfg.requests_per_second;
+        let url = format!("{}/chat/completions", cfg.base_url.trim_end_matches('/'));
+        let url = reqwest::Url::parse(&url).map_err(|error| ProviderError::Url {
+            name: name.to_string(),
+            error,
+        })?;
         Ok(ProviderClient {
             http,
-            url: format!("{}/chat/completions", cfg.base_url.trim_end_matches('/')),
+            url,
             api_key: cfg.api_key.clone(),
             limiter: RateLimiter::direct(Quota::per_second(rps)),
         })
@@ -165,7 +181,7 @@ impl ProviderClient {
     /// Sends one request (the caller has passed [`ProviderClient::throttle`] and holds a
     /// slot). Dropping the future aborts the HTTP request.
     pub async fn call(&self, body: &RequestBody<'_>, job_id: &str) -> Outcome {
-        let mut req = self.http.post(&self.url).json(body);
+        let mut req = self.http.post(self.url.clone()).json(body);
         // A job id that is not a valid header value (a newline, say) is not sent: the call
         // must not fail for the sake of a tracing header.
         if let Ok(v) = reqwest::header::HeaderValue::from_str(job_id) {

@@ -316,6 +316,16 @@ fn config_range_checks_name_keys() {
             "providers.sim.base_url",
         ),
         (
+            "base_url = \"http://127.0.0.1:8089/v1\"",
+            "base_url = \"http://exa mple.com/v1\"",
+            "providers.sim.base_url",
+        ),
+        (
+            "base_url = \"http://127.0.0.1:8089/v1\"",
+            "base_url = \"http://127.0.0.1:99999/v1\"",
+            "providers.sim.base_url",
+        ),
+        (
             "context_window = 128000",
             "context_window = 0",
             "models.deepseek-v3.2.context_window",

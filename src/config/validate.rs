@@ -368,6 +368,17 @@ impl Config {
                 &format!("providers.{name}.base_url"),
                 format!("must start with http:// or https://, got {:?}", p.base_url),
             )?;
+            // Parsed here as the client will (once, at start): a bad URL is a config error
+            // that check-config reports, not a worker that exits on start. The value is not
+            // echoed: a URL may carry credentials.
+            let url = format!("{}/chat/completions", p.base_url.trim_end_matches('/'));
+            if let Err(e) = url::Url::parse(&url) {
+                require(
+                    false,
+                    &format!("providers.{name}.base_url"),
+                    format!("is not a valid URL: {e}"),
+                )?;
+            }
             require(
                 !p.timeout_ms.is_zero(),
                 &format!("providers.{name}.timeout_ms"),
