@@ -26,7 +26,8 @@
 -- After a Redis stall, the prelude has given lapsed leases back to their holders first.
 --
 -- Returns {k, 0, i1 .. ik}: k >= 1 slots taken (value = ARGV[8] .. j, PX ttl);
---         {0, ms}: none free; ms = time until the nearest lease expires.
+--         {0, ms}: none free; ms = time until the nearest lease expires (the full ttl
+--         when another process is the queue's head: see below).
 local token = ARGV[1]
 local n = #KEYS - 3
 local now = slot_clock(KEYS[2], 4, n, ARGV[5])
@@ -66,9 +67,17 @@ if head == nil or head == token then
   end
 end
 local wait = tonumber(ARGV[2])
-for k = 4, #KEYS do
-  local t = redis.call('PTTL', KEYS[k])
-  if t >= 0 and t < wait then wait = t end
+if head == nil or head == token then
+  -- Only the head (or anyone, with nobody queued) may take a slot freed by expiry: its
+  -- next try is due when the nearest lease expires. A process behind another head gets
+  -- slots by hand-off (or by its tries once it is the head); its tries only keep it
+  -- alive in the queue, on the caller's tick (at most a second, within
+  -- ARGV[4]). Scanning every slot's PTTL on its tries was most of the fleet's Redis
+  -- time per job with 8 processes waiting (issue 9, scenario g).
+  for k = 4, #KEYS do
+    local t = redis.call('PTTL', KEYS[k])
+    if t >= 0 and t < wait then wait = t end
+  end
 end
 if ARGV[3] == '1' then
   -- Liveness: a member per waiting process, scored by when it lapses. Members of

@@ -1230,3 +1230,54 @@ async fn a_busy_process_handing_slots_to_its_own_jobs_lets_a_new_waiter_in_soon(
     cancel.cancel();
     Ok(())
 }
+
+/// Issue 9, scenario g: a try by a process that is not the head of the fleet queue cannot
+/// take a slot freed by expiry (the head gets it), so it scans no slot's PTTL for when
+/// one expires: with 8 processes waiting, those scans were ~50 PTTL per job. The head
+/// still learns when the nearest lease expires, and a slot freed by expiry reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_behind_another_head_scans_no_lease_expiry() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 2;
+    let cancel = CancellationToken::new();
+    let holder = slots_for(&tc, "holder", &cancel).await;
+    let head = slots_for(&tc, "head", &cancel).await;
+    let behind = slots_for(&tc, "behind", &cancel).await;
+    let mut conn = redis.conn().await;
+    let a = holder.acquire("default", Duration::from_secs(5)).await?;
+    let b = holder.acquire("default", Duration::from_secs(5)).await?;
+    let waiting = {
+        let head = head.clone();
+        tokio::spawn(async move { head.acquire("default", Duration::from_secs(30)).await })
+    };
+    let queued = wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        async move { c.zcard::<_, u64>("{llm}:slotq:default").await.unwrap_or(0) == 1 }
+    })
+    .await;
+    assert!(queued, "the head process is queued");
+    let before = calls_of(&mut conn, "pttl").await;
+    let tries = 10;
+    for _ in 0..tries {
+        assert!(
+            behind.try_acquire("default").await?.is_none(),
+            "pool is full"
+        );
+    }
+    let scanned = calls_of(&mut conn, "pttl").await - before;
+    // The head's own driver may try once meanwhile (2 PTTL, one per slot); before the
+    // change every try here scanned both slots: 2 * tries.
+    assert!(
+        scanned <= 4,
+        "{scanned} PTTL for {tries} tries behind another head"
+    );
+    // The head is still served: a slot given back reaches it.
+    a.release().await?;
+    let got = tokio::time::timeout(Duration::from_secs(5), waiting).await???;
+    got.release().await?;
+    b.release().await?;
+    finish(&[&holder, &head, &behind], &cancel).await
+}
