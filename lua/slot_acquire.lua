@@ -27,7 +27,7 @@
 --
 -- Returns {k, 0, i1 .. ik}: k >= 1 slots taken (value = ARGV[8] .. j, PX ttl);
 --         {0, ms}: none free; ms = time until the nearest lease expires (the full ttl
---         when another process is the queue's head: see below).
+--         for a process further back than second in the queue: see below).
 local token = ARGV[1]
 local n = #KEYS - 3
 local now = slot_clock(KEYS[2], 4, n, ARGV[5])
@@ -67,13 +67,19 @@ if head == nil or head == token then
   end
 end
 local wait = tonumber(ARGV[2])
-if head == nil or head == token then
-  -- Only the head (or anyone, with nobody queued) may take a slot freed by expiry: its
-  -- next try is due when the nearest lease expires. A process behind another head gets
-  -- slots by hand-off (or by its tries once it is the head); its tries only keep it
-  -- alive in the queue, on the caller's tick (at most a second, within
-  -- ARGV[4]). Scanning every slot's PTTL on its tries was most of the fleet's Redis
-  -- time per job with 8 processes waiting (issue 9, scenario g).
+-- Only the head (or anyone, with nobody queued) may take a slot freed by expiry: its next
+-- try is due when the nearest lease expires. So is the next in line's, which is the head
+-- as soon as the head leaves (served, gave up, gone). A process further back gets slots
+-- by hand-off, or by its tries once it is one of the first two; its tries only keep it
+-- alive in the queue, on the caller's tick (at most a second, well within ARGV[4]).
+-- Scanning every slot's PTTL on every try was most of the fleet's Redis time per job
+-- with 8 processes waiting (issue 9, scenario g).
+local scan = head == nil or head == token
+if not scan then
+  local rank = redis.call('ZRANK', KEYS[1], token)
+  scan = rank ~= false and rank <= 1
+end
+if scan then
   for k = 4, #KEYS do
     local t = redis.call('PTTL', KEYS[k])
     if t >= 0 and t < wait then wait = t end

@@ -77,8 +77,8 @@ pub enum ProviderError {
     /// `from_cause!`).
     #[error("provider {name}: cannot build HTTP client: {error}")]
     Client { name: String, error: reqwest::Error },
-    /// `base_url` + `/chat/completions` is not a URL (validation checks the scheme only).
-    /// The URL itself is not printed: it may carry credentials.
+    /// `base_url` + `/chat/completions` is not a URL. Config validation rejects such a
+    /// base_url first (naming the key), so this is reached only by a config built in code.
     #[error(
         "provider {name}: base_url does not make a valid URL: {error} (fix providers.{name}.base_url)"
     )]

@@ -3,7 +3,8 @@
 //!
 //! How it works (scripts in `lua/`):
 //! - **acquire** (`slot_acquire.lua`, one round trip): take a free slot, or join the
-//!   pool's FIFO waiter queue and learn when the nearest lease expires;
+//!   pool's FIFO waiter queue and (the first two in it) learn when the nearest lease
+//!   expires;
 //! - **release** (`slot_release.lua`): token-checked; if a process is waiting, the slot is
 //!   handed to it directly (value set to its token with a short hand-off lease, and
 //!   `{t: token, i: index}` appended to the pool's hand-off stream), so a releasing

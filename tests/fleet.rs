@@ -1231,10 +1231,11 @@ async fn a_busy_process_handing_slots_to_its_own_jobs_lets_a_new_waiter_in_soon(
     Ok(())
 }
 
-/// Issue 9, scenario g: a try by a process that is not the head of the fleet queue cannot
-/// take a slot freed by expiry (the head gets it), so it scans no slot's PTTL for when
-/// one expires: with 8 processes waiting, those scans were ~50 PTTL per job. The head
-/// still learns when the nearest lease expires, and a slot freed by expiry reaches it.
+/// Issue 9, scenario g: a try by a process that is neither the head of the fleet queue nor
+/// next in line cannot take a slot freed by expiry before its next try (the head gets
+/// it), so it scans no slot's PTTL for when one expires: with 8 processes waiting, those
+/// scans were ~50 PTTL per job. The head still learns when the nearest lease expires, and
+/// a slot given back reaches it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_try_behind_another_head_scans_no_lease_expiry() -> anyhow::Result<()> {
     let redis = RedisServer::start();
@@ -1280,4 +1281,66 @@ async fn a_try_behind_another_head_scans_no_lease_expiry() -> anyhow::Result<()>
     got.release().await?;
     b.release().await?;
     finish(&[&holder, &head, &behind], &cancel).await
+}
+
+/// Review of the above: the process second in the queue still learns when the nearest
+/// lease expires, so when the head gives up just before a dead holder's lease expires,
+/// the slot reaches the next process at the expiry, not on its next 1 s tick.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_freed_by_expiry_reaches_the_second_in_queue_when_the_head_left()
+-> anyhow::Result<()> {
+    let mut late = vec![];
+    for _ in 0..3 {
+        let redis = RedisServer::start();
+        let sim = SimHandle::start(SimOptions::default()).await;
+        let mut tc = TestConfig::new(&redis, &sim);
+        tc.ttl_ms = 30_000;
+        tc.slots = 1;
+        let cancel = CancellationToken::new();
+        let a = slots_for(&tc, "pa", &cancel).await;
+        let b = slots_for(&tc, "pb", &cancel).await;
+        let mut conn = redis.conn().await;
+        // A holder that died: its lease lapses in 2.5 s, nobody releases it.
+        let px = 2500u64;
+        let _: () = redis::cmd("SET")
+            .arg("{llm}:slot:default:0")
+            .arg("dead#1")
+            .arg("PX")
+            .arg(px)
+            .query_async(&mut conn)
+            .await?;
+        let expires = Instant::now() + Duration::from_millis(px);
+        let head = {
+            let a = a.clone();
+            tokio::spawn(async move { a.acquire("default", Duration::from_millis(2250)).await })
+        };
+        let queued = wait_for(Duration::from_secs(5), || {
+            let mut c = conn.clone();
+            async move { c.zcard::<_, u64>("{llm}:slotq:default").await.unwrap_or(0) == 1 }
+        })
+        .await;
+        assert!(queued, "A is the head");
+        // B queues behind A so that its 1 s ticks fall at ~2.15 s (A still the head) and
+        // ~3.15 s: without a scan of its own, nothing is due at the expiry (2.5 s).
+        tokio::time::sleep(Duration::from_millis(1150)).await;
+        let second = {
+            let b = b.clone();
+            tokio::spawn(async move {
+                let l = b.acquire("default", Duration::from_secs(10)).await;
+                (Instant::now(), l)
+            })
+        };
+        assert!(head.await?.is_err(), "A gave up before the expiry");
+        let (at, lease) = second.await?;
+        late.push(at.saturating_duration_since(expires));
+        lease?.release().await?;
+        finish(&[&a, &b], &cancel).await?;
+    }
+    // Before: at the expiry, plus a round trip (the driver clamps its tick to >= 2 ms).
+    // Without the second-in-queue scan: on B's next 1 s tick, up to a second later.
+    assert!(
+        late.iter().all(|d| *d < Duration::from_millis(250)),
+        "B got the slot {late:?} after the expiry"
+    );
+    Ok(())
 }

@@ -369,8 +369,7 @@ impl Config {
                 format!("must start with http:// or https://, got {:?}", p.base_url),
             )?;
             // Parsed here as the client will (once, at start): a bad URL is a config error
-            // that check-config reports, not a worker that exits on start. The value is not
-            // echoed: a URL may carry credentials.
+            // that check-config reports, naming the key.
             let url = format!("{}/chat/completions", p.base_url.trim_end_matches('/'));
             if let Err(e) = url::Url::parse(&url) {
                 require(
