@@ -124,7 +124,7 @@ pub(super) async fn chat_completions(
     };
     let delay = base.saturating_add(jitter);
     if delay > 0 {
-        tokio::time::sleep(Duration::from_millis(delay)).await;
+        super::clock::sleep(Duration::from_millis(delay)).await;
     }
 
     let prompt = estimate_prompt_tokens(&req);

@@ -7,8 +7,9 @@
 //!
 //! - **deterministic usage**: [`estimate_prompt_tokens`] and [`completion_tokens_for`] are
 //!   public so a test can predict exactly what the worker must bill;
-//! - **configurable latency** (base + per-model override + uniform jitter), spent while the
-//!   call is counted in flight, so concurrency limits are observable through [`SimStats`];
+//! - **configurable latency** (base + per-model override + uniform jitter), kept to within a
+//!   fraction of a millisecond ([`clock`]), spent while the call is counted in flight, so
+//!   concurrency limits are observable through [`SimStats`];
 //! - **fault injection** through [`Rule`]s ([`Fault`]: 429 with `Retry-After`, 5xx, context
 //!   length, hangs, malformed 200 bodies...), each with a probability and an optional
 //!   "first n calls only" limit, so retry and fallback paths can be tested deterministically;
@@ -21,9 +22,11 @@
 //!
 //! Rooms: [`options`] (what the sim does: latency, fault rules), [`stats`] (what it saw),
 //! [`tokens`] (the deterministic token counts tests predict), [`handlers`] (the HTTP
-//! routes), [`cli`] (the `sim-provider` subcommand); this file holds the shared state.
+//! routes), [`cli`] (the `sim-provider` subcommand), [`clock`] (the latency's timer); this
+//! file holds the shared state.
 
 mod cli;
+mod clock;
 mod handlers;
 mod options;
 mod stats;
