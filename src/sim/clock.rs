@@ -26,19 +26,18 @@
 use crate::sync::lock;
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::{Condvar, Mutex, Once};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 struct Entry {
     at: Instant,
-    seq: u64,
     tx: oneshot::Sender<()>,
 }
 
 impl PartialEq for Entry {
     fn eq(&self, o: &Self) -> bool {
-        self.at == o.at && self.seq == o.seq
+        self.at == o.at
     }
 }
 impl Eq for Entry {}
@@ -50,38 +49,42 @@ impl PartialOrd for Entry {
 impl Ord for Entry {
     /// Reversed, so that `BinaryHeap` (a max-heap) pops the earliest deadline first.
     fn cmp(&self, o: &Self) -> Ordering {
-        o.at.cmp(&self.at).then(o.seq.cmp(&self.seq))
+        o.at.cmp(&self.at)
     }
 }
 
-#[derive(Default)]
 struct Timers {
-    heap: Mutex<(BinaryHeap<Entry>, u64)>,
+    heap: Mutex<BinaryHeap<Entry>>,
     cv: Condvar,
 }
 
+static TIMERS: Timers = Timers {
+    heap: Mutex::new(BinaryHeap::new()),
+    cv: Condvar::new(),
+};
+
+/// The timers, with their thread started on first use.
 fn timers() -> &'static Timers {
-    static T: OnceLock<&'static Timers> = OnceLock::new();
-    T.get_or_init(|| {
-        let t: &'static Timers = Box::leak(Box::default());
+    static STARTED: Once = Once::new();
+    STARTED.call_once(|| {
         std::thread::Builder::new()
             .name("sim-clock".into())
-            .spawn(move || run(t))
+            .spawn(|| run(&TIMERS))
             .expect("spawn the simulated model's clock thread");
-        t
-    })
+    });
+    &TIMERS
 }
 
 fn run(t: &'static Timers) {
     let mut g = lock(&t.heap);
     loop {
         let now = Instant::now();
-        while g.0.peek().is_some_and(|e| e.at <= now) {
-            if let Some(e) = g.0.pop() {
+        while g.peek().is_some_and(|e| e.at <= now) {
+            if let Some(e) = g.pop() {
                 let _ = e.tx.send(());
             }
         }
-        g = match g.0.peek().map(|e| e.at - now) {
+        g = match g.peek().map(|e| e.at - now) {
             Some(wait) => {
                 t.cv.wait_timeout(g, wait)
                     .map_or_else(|p| p.into_inner().0, |r| r.0)
@@ -96,12 +99,8 @@ pub(super) async fn sleep(d: Duration) {
     let (tx, rx) = oneshot::channel();
     let t = timers();
     {
-        let mut g = lock(&t.heap);
-        g.1 += 1;
-        let seq = g.1;
-        g.0.push(Entry {
+        lock(&t.heap).push(Entry {
             at: Instant::now() + d,
-            seq,
             tx,
         });
     }
