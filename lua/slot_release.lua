@@ -34,8 +34,9 @@
 -- holds the pool's queue lock while this runs (w is its waiters under that lock).
 -- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
 -- 1 released, 2 handed off, 3 kept, then per pool group in the order given: how many
--- other processes are in its waiter queue} (0 lets the caller keep the pool's slots
--- among its own jobs for a moment; see QUIET_FOR in src/slots.rs).
+-- other processes are in its waiter queue or were handed a slot by this script} (0 lets
+-- the caller keep the pool's slots among its own jobs for a moment; see QUIET_FOR in
+-- src/slots.rs).
 local token = ARGV[1]
 -- Whether a slot's value is the lease released (release-all: any value of this process).
 local function matches(v, value)
@@ -51,7 +52,7 @@ while a <= #ARGV do
   local c = tonumber(ARGV[a])
   local want = tonumber(ARGV[a + 1]) or 0
   local keep_prefix = ARGV[a + 2]
-  local kept = 0
+  local kept, handed_here = 0, 0
   a = a + 3
   local q, lh, live, wake = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   k = k + 4
@@ -107,6 +108,7 @@ while a <= #ARGV do
           slot_note(lh, idx, h[1], now, ARGV[4])
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
           handed = handed + 1
+          handed_here = handed_here + 1
           each[#each + 1] = 2
           break
         end
@@ -118,7 +120,12 @@ while a <= #ARGV do
   if waiting > 0 and redis.call('ZSCORE', q, token) then
     waiting = waiting - 1
   end
-  others[#others + 1] = waiting
+  -- A process handed a slot here left the queue, but it waited a moment ago and
+  -- usually still does (it queues again for its other jobs on pick-up): it counts, or
+  -- a release that hands a slot to the only other waiter would answer "nobody else
+  -- waits" and the caller would keep its next slots among its own jobs, skipping it
+  -- (one of two busy processes ended up with almost every slot).
+  others[#others + 1] = waiting + handed_here
 end
 local out = {released, handed, not_ours}
 for j = 1, #each do

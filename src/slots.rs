@@ -547,6 +547,12 @@ impl Slots {
         lock(&self.inner.held).len()
     }
 
+    /// Number of this process's acquires of `pool` waiting for a slot now (0 for an
+    /// unknown pool).
+    pub fn waiting(&self, pool: &str) -> usize {
+        self.inner.pools.get(pool).map_or(0, |p| p.live_waiters())
+    }
+
     /// Starts the driver (serves waiters) and the renewer. Both end when `cancel` fires.
     pub fn spawn_background(&self, cancel: CancellationToken) -> tokio::task::JoinHandle<()> {
         let driver = tokio::spawn(driver(self.inner.clone(), cancel.clone()));

@@ -371,12 +371,26 @@ async fn two_processes(
     llm_worker::slots::Slots,
     CancellationToken,
 ) {
+    let extra = if with_q { "[pools.q]\nslots = 1\n" } else { "" };
+    pa_pb(redis, sim, 1, extra).await
+}
+
+/// Two in-process slot clients "pa" and "pb" on `slots` slots of the default pool (a
+/// TTL of 30 s), with `extra` appended to their configuration.
+async fn pa_pb(
+    redis: &RedisServer,
+    sim: &SimHandle,
+    slots: u32,
+    extra: &str,
+) -> (
+    llm_worker::slots::Slots,
+    llm_worker::slots::Slots,
+    CancellationToken,
+) {
     let mut tc = TestConfig::new(redis, sim);
     tc.ttl_ms = 30_000;
-    tc.slots = 1;
-    if with_q {
-        tc.extra = "[pools.q]\nslots = 1\n".to_string();
-    }
+    tc.slots = slots;
+    tc.extra = extra.to_string();
     let cancel = CancellationToken::new();
     let a = slots_for(&tc, "pa", &cancel).await;
     let b = slots_for(&tc, "pb", &cancel).await;
@@ -636,12 +650,7 @@ async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() 
 {
     let redis = RedisServer::start();
     let sim = SimHandle::start(SimOptions::default()).await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.ttl_ms = 30_000;
-    tc.slots = 2;
-    let cancel = CancellationToken::new();
-    let a = slots_for(&tc, "pa", &cancel).await;
-    let b = slots_for(&tc, "pb", &cancel).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 2, "").await;
     let mut conn = redis.conn().await;
     let t = Duration::from_secs(5);
     let mut held = vec![];
@@ -724,6 +733,84 @@ async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() 
         tokio::time::timeout(t, s.release_all()).await??;
     }
     cancel.cancel();
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// Waits (at most 5 s, polling every millisecond: the moment matters) until `token` is
+/// in the default pool's fleet queue.
+async fn wait_queued_now(conn: &Conn, token: &str) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut c = conn.clone();
+    while Instant::now() < deadline {
+        let q: Option<f64> = c
+            .zscore("{llm}:slotq:default", token)
+            .await
+            .unwrap_or_else(|e| panic!("ZSCORE: {e}"));
+        if q.is_some() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    false
+}
+
+/// A release that hands its slot to the only other waiting process takes that process
+/// out of the queue, but it still waits (it queues again at once for its other jobs):
+/// the releaser must not read "nobody else waits" into that and keep its next slots
+/// among its own jobs, skipping the other process. (That read let one of two busy
+/// processes hold almost every slot: acquisitions per contender [43, 7, 40, 7, ...] in
+/// `sixteen_contenders_on_four_slots_across_two_processes`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 2, "").await;
+    let conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let a1 = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    let a2 = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    // Two jobs of B wait; B is the whole queue.
+    let (bb1, bb2) = (b.clone(), b.clone());
+    let b1 = tokio::spawn(async move { bb1.acquire("default", Duration::from_secs(10)).await });
+    assert!(wait_queued(&conn, b.token()).await, "B queued");
+    let b2 = tokio::spawn(async move { bb2.acquire("default", Duration::from_secs(10)).await });
+    // b2 waits behind b1 within B (B's waiters are served in order).
+    let b2_waits = wait_for(t, || {
+        let b = b.clone();
+        async move { b.waiting("default") == 2 }
+    })
+    .await;
+    assert!(b2_waits, "both of B's jobs wait");
+    // A's release goes to B (its first job), which queues again for its second.
+    a1.release().await?;
+    let got_b1 = tokio::time::timeout(t, b1).await???;
+    assert!(wait_queued_now(&conn, b.token()).await, "B queued again");
+    // Now a job of A waits too, behind B.
+    let aa = a.clone();
+    let a3 = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(10)).await });
+    assert!(wait_queued_now(&conn, a.token()).await, "A queued behind B");
+    // A's next release belongs to B's second job, which queued first.
+    a2.release().await?;
+    let (mut b2, mut a3) = (b2, a3);
+    let first = tokio::time::timeout(t, async {
+        tokio::select! {
+            r = &mut b2 => ("B", r),
+            r = &mut a3 => ("A", r),
+        }
+    })
+    .await?;
+    assert_eq!(
+        first.0, "B",
+        "the slot went to B's job, queued first, not to A's own"
+    );
+    let got_b2 = first.1??;
+    drop((got_b1, got_b2));
+    let got_a3 = tokio::time::timeout(t, a3).await???;
+    drop(got_a3);
+    finish(&[&a, &b], &cancel).await?;
+    let mut conn = conn;
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }
@@ -1185,12 +1272,7 @@ async fn a_busy_process_handing_slots_to_its_own_jobs_lets_a_new_waiter_in_soon(
 -> anyhow::Result<()> {
     let redis = RedisServer::start();
     let sim = SimHandle::start(SimOptions::default()).await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.ttl_ms = 30_000;
-    tc.slots = 2;
-    let cancel = CancellationToken::new();
-    let a = slots_for(&tc, "pa", &cancel).await;
-    let b = slots_for(&tc, "pb", &cancel).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 2, "").await;
     let stop = CancellationToken::new();
     // Three jobs of A on two slots for 3 s: one always waits, every release has a taker.
     let mut busy = vec![];
