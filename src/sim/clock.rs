@@ -13,10 +13,11 @@
 //! sender and awaits the receiver, so no runtime thread blocks.
 //!
 //! Invariants: an entry is fired (its sender used or dropped) no earlier than its
-//! deadline; a caller that is dropped first (the client hung up) leaves an entry that
-//! fires into a closed channel at its deadline, so the heap holds at most the calls of the
-//! last `latency + jitter`; the thread never exits and holds the lock only while it pops
-//! or pushes, never while it waits.
+//! deadline; an entry whose caller was dropped first (the client hung up) is dropped
+//! when the heap next doubles past the live entries of its last pruning, so clients that
+//! hang up on a long `latency_ms` cannot grow it without bound, and pruning costs O(1)
+//! per call amortized; the thread never exits and holds the lock only while it pops,
+//! pushes or prunes, never while it waits.
 //!
 //! Paused tokio time (`tokio::time::pause`) does not apply here: no test pauses time
 //! while a simulated call waits.
@@ -53,13 +54,26 @@ impl Ord for Entry {
     }
 }
 
+struct Pending {
+    heap: BinaryHeap<Entry>,
+    /// Prune abandoned entries when the heap reaches this size (twice the live entries
+    /// left by the last pruning, at least [`PRUNE_FLOOR`]).
+    prune_at: usize,
+}
+
+/// Below this many pending entries the heap is never pruned.
+const PRUNE_FLOOR: usize = 1024;
+
 struct Timers {
-    heap: Mutex<BinaryHeap<Entry>>,
+    pending: Mutex<Pending>,
     cv: Condvar,
 }
 
 static TIMERS: Timers = Timers {
-    heap: Mutex::new(BinaryHeap::new()),
+    pending: Mutex::new(Pending {
+        heap: BinaryHeap::new(),
+        prune_at: PRUNE_FLOOR,
+    }),
     cv: Condvar::new(),
 };
 
@@ -76,15 +90,20 @@ fn timers() -> &'static Timers {
 }
 
 fn run(t: &'static Timers) {
-    let mut g = lock(&t.heap);
+    let mut g = lock(&t.pending);
     loop {
         let now = Instant::now();
-        while g.peek().is_some_and(|e| e.at <= now) {
-            if let Some(e) = g.pop() {
+        while g.heap.peek().is_some_and(|e| e.at <= now) {
+            if let Some(e) = g.heap.pop() {
                 let _ = e.tx.send(());
             }
         }
-        g = match g.peek().map(|e| e.at - now) {
+        // From the time after the sends, not `now`: they took a moment.
+        g = match g
+            .heap
+            .peek()
+            .map(|e| e.at.saturating_duration_since(Instant::now()))
+        {
             Some(wait) => {
                 t.cv.wait_timeout(g, wait)
                     .map_or_else(|p| p.into_inner().0, |r| r.0)
@@ -99,7 +118,12 @@ pub(super) async fn sleep(d: Duration) {
     let (tx, rx) = oneshot::channel();
     let t = timers();
     {
-        lock(&t.heap).push(Entry {
+        let mut g = lock(&t.pending);
+        if g.heap.len() >= g.prune_at {
+            g.heap.retain(|e| !e.tx.is_closed());
+            g.prune_at = (g.heap.len() * 2).max(PRUNE_FLOOR);
+        }
+        g.heap.push(Entry {
             at: Instant::now() + d,
             tx,
         });
@@ -112,6 +136,23 @@ pub(super) async fn sleep(d: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn calls_abandoned_by_their_clients_do_not_pile_up() {
+        // 10,000 calls of an hour each, whose clients hang up at once.
+        for _ in 0..10_000 {
+            let mut call = Box::pin(sleep(Duration::from_secs(3600)));
+            // Polled once (its deadline registered), then dropped.
+            assert!(futures::FutureExt::now_or_never(&mut call).is_none());
+        }
+        sleep(Duration::from_millis(1)).await;
+        let left = lock(&TIMERS.pending).heap.len();
+        // Other tests of this binary may have a few calls pending meanwhile.
+        assert!(
+            left <= 2 * PRUNE_FLOOR,
+            "{left} entries pending after 10,000 abandoned calls"
+        );
+    }
 
     #[tokio::test]
     async fn waits_at_least_the_time_asked_and_not_a_millisecond_more() {
