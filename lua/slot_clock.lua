@@ -6,7 +6,9 @@
 -- Every slot key has a shadow entry in the pool's lease hash (KEYS: `{ns}:slotlease:<pool>`):
 --   field <i> = "<token>|<deadline ms, server TIME>|<lease length ms>", written by whoever
 --   sets the key (take, hand-off, renewal, restore) and removed with it (release);
---   field t   = server TIME (ms) of the last slot script that ran for this pool.
+--   field t   = server TIME (ms) of the last slot script that ran for this pool;
+--   field h   = server TIME (ms) of the pool's last hand-off to another process
+--               (lua/slot_release.lua: its receiver still counts as waiting a moment).
 -- Every live worker runs a slot script at least every ttl/8 (its renewer ticks even when
 -- it holds nothing), so a gap larger than `gap` ms (ttl/2) between two scripts means
 -- nobody could reach Redis: it was stopped, busy forking, failing over, or cut off. Slot

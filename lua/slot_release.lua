@@ -34,10 +34,13 @@
 -- holds the pool's queue lock while this runs (w is its waiters under that lock).
 -- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
 -- 1 released, 2 handed off, 3 kept, then per pool group in the order given: how many
--- other processes are in its waiter queue or were handed a slot by this script} (0 lets
--- the caller keep the pool's slots among its own jobs for a moment; see QUIET_FOR in
--- src/slots.rs).
+-- other processes are in its waiter queue, or were handed a slot by this script, or
+-- (counted as one) by any script less than HANDED_RECENT_MS ago} (0 lets the caller keep
+-- the pool's slots among its own jobs for a moment; see QUIET_FOR in src/slots.rs).
 local token = ARGV[1]
+-- How long after a hand-off to another process its receiver counts as waiting (see the
+-- end of the group loop).
+local HANDED_RECENT_MS = 100
 -- Whether a slot's value is the lease released (release-all: any value of this process).
 local function matches(v, value)
   if ARGV[3] == '1' then
@@ -108,7 +111,10 @@ while a <= #ARGV do
           slot_note(lh, idx, h[1], now, ARGV[4])
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
           handed = handed + 1
-          handed_here = handed_here + 1
+          if h[1] ~= token then
+            handed_here = handed_here + 1
+            redis.call('HSET', lh, 'h', now)
+          end
           each[#each + 1] = 2
           break
         end
@@ -120,11 +126,19 @@ while a <= #ARGV do
   if waiting > 0 and redis.call('ZSCORE', q, token) then
     waiting = waiting - 1
   end
-  -- A process handed a slot here left the queue, but it waited a moment ago and
-  -- usually still does (it queues again for its other jobs on pick-up): it counts, or
-  -- a release that hands a slot to the only other waiter would answer "nobody else
-  -- waits" and the caller would keep its next slots among its own jobs, skipping it
-  -- (one of two busy processes ended up with almost every slot).
+  -- A process handed a slot left the queue, but it waited a moment ago and usually
+  -- still does: it queues again for its other jobs once it has read the hand-off,
+  -- picked the slot up and tried (three round trips). Until then it counts, whether
+  -- the hand-off was made here or by an earlier script of any process (field h of the
+  -- lease hash: when the pool's last hand-off to another process was made), or a
+  -- release in that moment would answer "nobody else waits" and the caller would keep
+  -- its next slots among its own jobs for QUIET_FOR, skipping it; with releases that
+  -- bunch, after every hand-off (one of two busy processes ended up with almost every
+  -- slot). HANDED_RECENT_MS is well above a pick-up's three round trips.
+  local last_handed = tonumber(redis.call('HGET', lh, 'h'))
+  if handed_here == 0 and last_handed and now - last_handed < HANDED_RECENT_MS then
+    handed_here = 1
+  end
   others[#others + 1] = waiting + handed_here
 end
 local out = {released, handed, not_ours}

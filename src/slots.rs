@@ -553,6 +553,16 @@ impl Slots {
         self.inner.pools.get(pool).map_or(0, |p| p.live_waiters())
     }
 
+    /// Whether the last release script's word for `pool` was that no other process waits
+    /// (which lets released slots stay in this process for [`QUIET_FOR`]). For tests.
+    #[doc(hidden)]
+    pub fn heard_nobody_else_waits_for_tests(&self, pool: &str) -> bool {
+        self.inner
+            .pools
+            .get(pool)
+            .is_some_and(|p| lock(&p.quiet_since).0.is_some())
+    }
+
     /// Starts the driver (serves waiters) and the renewer. Both end when `cancel` fires.
     pub fn spawn_background(&self, cancel: CancellationToken) -> tokio::task::JoinHandle<()> {
         let driver = tokio::spawn(driver(self.inner.clone(), cancel.clone()));
@@ -1282,7 +1292,9 @@ async fn release_batch(
     // Then, per pool group, how many other processes wait for the pool.
     let others = per_slot.get(batch.len()..).unwrap_or(&[]);
     for (g, (ps, ..)) in groups.iter().enumerate() {
-        *lock(&ps.quiet_since) = ((others.get(g) == Some(&0)).then(Instant::now), None);
+        // Stamped with when the script was sent, not when its answer came: a slow answer
+        // must not make "nobody else waits" count as fresh for another QUIET_FOR.
+        *lock(&ps.quiet_since) = ((others.get(g) == Some(&0)).then_some(asked_at), None);
     }
     for (ps, guard, want, keep_prefix, start, end) in groups {
         // The j-th slot kept in a group holds `keep_prefix` .. j (lua/slot_release.lua).

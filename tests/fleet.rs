@@ -785,6 +785,10 @@ async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it(
     assert!(b2_waits, "both of B's jobs wait");
     // A's release goes to B (its first job), which queues again for its second.
     a1.release().await?;
+    assert!(
+        !a.heard_nobody_else_waits_for_tests("default"),
+        "a release that handed its slot to B answered that nobody else waits"
+    );
     let got_b1 = tokio::time::timeout(t, b1).await???;
     assert!(wait_queued_now(&conn, b.token()).await, "B queued again");
     // Now a job of A waits too, behind B.
@@ -813,6 +817,113 @@ async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it(
     let mut conn = conn;
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
+}
+
+/// The process a hand-off went to is out of the queue until it picks the slot up and
+/// queues again (a read, a pick-up and a try later), though it still waits. A release by
+/// the same process in that moment (releases that ended together go out back to back)
+/// must not answer "nobody else waits", or the releaser keeps its slots among its own
+/// jobs for the next 25 ms while the other is queued again ahead of them; with releases
+/// that bunch, that repeats after every hand-off. A recent hand-off of the pool counts as
+/// a waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_right_after_a_hand_off_still_counts_the_receiver_as_waiting()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 3, "").await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let mut held = vec![];
+    for _ in 0..3 {
+        held.push(tokio::time::timeout(t, a.acquire("default", t)).await??);
+    }
+    // Another process ("fb", planted: it never picks up) heads the queue.
+    let now = server_ms(&mut conn).await;
+    let _: () = conn.zadd("{llm}:slotq:default", "fb", 1).await?;
+    let _: () = conn
+        .zadd("{llm}:slotalive:default", "fb", now + 600_000)
+        .await?;
+    // Two jobs of A wait behind it.
+    let (aa1, aa2) = (a.clone(), a.clone());
+    let w1 = tokio::spawn(async move { aa1.acquire("default", Duration::from_secs(10)).await });
+    assert!(wait_queued(&conn, a.token()).await, "A queued behind fb");
+    let w2 = tokio::spawn(async move { aa2.acquire("default", Duration::from_secs(10)).await });
+    let both_wait = wait_for(t, || {
+        let a = a.clone();
+        async move { a.waiting("default") == 2 }
+    })
+    .await;
+    assert!(both_wait, "both of A's jobs wait");
+    // First release: to fb, which leaves the queue.
+    let r1 = held.remove(0);
+    let i1 = r1.index();
+    r1.release().await?;
+    let v: Option<String> = conn.get(format!("{{llm}}:slot:default:{i1}")).await?;
+    assert_eq!(v.as_deref(), Some("fb"), "the first release went to fb");
+    // Second release, before fb could queue again: A heads the queue now and keeps it
+    // for its first job. fb was handed a slot a moment ago and still waits.
+    held.remove(0).release().await?;
+    let got1 = tokio::time::timeout(t, w1).await???;
+    assert!(
+        !a.heard_nobody_else_waits_for_tests("default"),
+        "a release right after a hand-off to fb answered that nobody else waits"
+    );
+    // fb queues again (behind A, which went back to the tail for its second job); a
+    // third job of A waits too. A's next release goes to its second job (A is ahead),
+    // the one after to fb, not to A's third job.
+    let tm: (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await?;
+    let _: () = conn
+        .zadd("{llm}:slotq:default", "fb", tm.0 * 1_000_000 + tm.1)
+        .await?;
+    let aa3 = a.clone();
+    let w3 = tokio::spawn(async move { aa3.acquire("default", Duration::from_secs(10)).await });
+    let three = wait_for(t, || {
+        let a = a.clone();
+        async move { a.waiting("default") == 2 }
+    })
+    .await;
+    assert!(three, "A's second and third jobs wait");
+    held.remove(0).release().await?;
+    let got2 = tokio::time::timeout(t, w2).await???;
+    let i4 = got1.index();
+    got1.release().await?;
+    let v: Option<String> = conn.get(format!("{{llm}}:slot:default:{i4}")).await?;
+    assert_eq!(
+        v.as_deref(),
+        Some("fb"),
+        "the release after went to fb, queued ahead of A's third job"
+    );
+    assert!(!w3.is_finished(), "A's third job still waits");
+    drop(got2);
+    let got3 = tokio::time::timeout(t, w3).await???;
+    drop(got3);
+    finish(&[&a, &b], &cancel).await
+}
+
+/// A slot handed by a release to its own process (still queued, its last waiter gone, its
+/// leaving on the way) is no other process waiting: the answer stays "nobody else
+/// waits", and the process's next releases need not ask Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_off_to_the_releaser_itself_is_nobody_else_waiting() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 1, "").await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    // A is (still) queued, alive, with nobody of its own waiting.
+    let now = server_ms(&mut conn).await;
+    let _: () = conn.zadd("{llm}:slotq:default", a.token(), 1).await?;
+    let _: () = conn
+        .zadd("{llm}:slotalive:default", a.token(), now + 600_000)
+        .await?;
+    lease.release().await?;
+    assert!(
+        a.heard_nobody_else_waits_for_tests("default"),
+        "a hand-off to A itself counted as another process waiting"
+    );
+    finish(&[&a, &b], &cancel).await
 }
 
 /// The server's clock now, in ms (the scripts' time).
