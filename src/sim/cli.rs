@@ -86,9 +86,7 @@ pub async fn run_cli(args: SimArgs, shutdown: CancellationToken) -> Result<(), S
         addr: args.listen.clone(),
         source,
     };
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .map_err(bind_err)?;
+    let listener = super::bind(args.listen.as_str()).await.map_err(bind_err)?;
     let addr = listener.local_addr().map_err(bind_err)?;
     if !addr.ip().is_loopback() {
         tracing::warn!(%addr, "sim provider listening on a non-loopback address");
