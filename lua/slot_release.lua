@@ -34,9 +34,10 @@
 -- holds the pool's queue lock while this runs (w is its waiters under that lock).
 -- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
 -- 1 released, 2 handed off, 3 kept, then per pool group in the order given: how many
--- other processes are in its waiter queue, or were handed a slot by this script, or
--- (counted as one) by any script less than HANDED_RECENT_MS ago} (0 lets the caller keep
--- the pool's slots among its own jobs for a moment; see QUIET_FOR in src/slots.rs).
+-- other processes are in its waiter queue, plus one if a slot of it was handed to another
+-- process less than HANDED_RECENT_MS ago (by this script or any other)} (0 lets the
+-- caller keep the pool's slots among its own jobs for a moment; see QUIET_FOR in
+-- src/slots.rs).
 local token = ARGV[1]
 -- How long after a hand-off to another process its receiver counts as waiting (see the
 -- end of the group loop).
@@ -55,7 +56,7 @@ while a <= #ARGV do
   local c = tonumber(ARGV[a])
   local want = tonumber(ARGV[a + 1]) or 0
   local keep_prefix = ARGV[a + 2]
-  local kept, handed_here = 0, 0
+  local kept, handed_other = 0, false
   a = a + 3
   local q, lh, live, wake = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   k = k + 4
@@ -111,10 +112,7 @@ while a <= #ARGV do
           slot_note(lh, idx, h[1], now, ARGV[4])
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
           handed = handed + 1
-          if h[1] ~= token then
-            handed_here = handed_here + 1
-            redis.call('HSET', lh, 'h', now)
-          end
+          handed_other = handed_other or h[1] ~= token
           each[#each + 1] = 2
           break
         end
@@ -135,11 +133,17 @@ while a <= #ARGV do
   -- its next slots among its own jobs for QUIET_FOR, skipping it; with releases that
   -- bunch, after every hand-off (one of two busy processes ended up with almost every
   -- slot). HANDED_RECENT_MS is well above a pick-up's three round trips.
-  local last_handed = tonumber(redis.call('HGET', lh, 'h'))
-  if handed_here == 0 and last_handed and now - last_handed < HANDED_RECENT_MS then
-    handed_here = 1
+  local recent = handed_other
+  if handed_other then
+    redis.call('HSET', lh, 'h', now)
+  else
+    local last = tonumber(redis.call('HGET', lh, 'h'))
+    recent = last ~= nil and now - last < HANDED_RECENT_MS
   end
-  others[#others + 1] = waiting + handed_here
+  if recent then
+    waiting = waiting + 1
+  end
+  others[#others + 1] = waiting
 end
 local out = {released, handed, not_ours}
 for j = 1, #each do

@@ -737,6 +737,23 @@ async fn a_release_is_kept_for_a_local_waiter_unless_another_process_is_ahead() 
     Ok(())
 }
 
+/// An acquire of the default pool by `s` in a task of its own (waiting up to 10 s).
+fn spawn_acquire(
+    s: &llm_worker::slots::Slots,
+) -> tokio::task::JoinHandle<Result<Lease, llm_worker::slots::SlotError>> {
+    let s = s.clone();
+    tokio::spawn(async move { s.acquire("default", Duration::from_secs(10)).await })
+}
+
+/// Waits (at most 5 s) until `n` acquires of `s` wait for a slot of the default pool.
+async fn waits_locally(s: &llm_worker::slots::Slots, n: usize) -> bool {
+    wait_for(Duration::from_secs(5), || {
+        let s = s.clone();
+        async move { s.waiting("default") == n }
+    })
+    .await
+}
+
 /// Waits (at most 5 s, polling every millisecond: the moment matters) until `token` is
 /// in the default pool's fleet queue.
 async fn wait_queued_now(conn: &Conn, token: &str) -> bool {
@@ -772,17 +789,11 @@ async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it(
     let a1 = tokio::time::timeout(t, a.acquire("default", t)).await??;
     let a2 = tokio::time::timeout(t, a.acquire("default", t)).await??;
     // Two jobs of B wait; B is the whole queue.
-    let (bb1, bb2) = (b.clone(), b.clone());
-    let b1 = tokio::spawn(async move { bb1.acquire("default", Duration::from_secs(10)).await });
+    let b1 = spawn_acquire(&b);
     assert!(wait_queued(&conn, b.token()).await, "B queued");
-    let b2 = tokio::spawn(async move { bb2.acquire("default", Duration::from_secs(10)).await });
+    let b2 = spawn_acquire(&b);
     // b2 waits behind b1 within B (B's waiters are served in order).
-    let b2_waits = wait_for(t, || {
-        let b = b.clone();
-        async move { b.waiting("default") == 2 }
-    })
-    .await;
-    assert!(b2_waits, "both of B's jobs wait");
+    assert!(waits_locally(&b, 2).await, "both of B's jobs wait");
     // A's release goes to B (its first job), which queues again for its second.
     a1.release().await?;
     assert!(
@@ -792,8 +803,7 @@ async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it(
     let got_b1 = tokio::time::timeout(t, b1).await???;
     assert!(wait_queued_now(&conn, b.token()).await, "B queued again");
     // Now a job of A waits too, behind B.
-    let aa = a.clone();
-    let a3 = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(10)).await });
+    let a3 = spawn_acquire(&a);
     assert!(wait_queued_now(&conn, a.token()).await, "A queued behind B");
     // A's next release belongs to B's second job, which queued first.
     a2.release().await?;
@@ -845,16 +855,10 @@ async fn a_release_right_after_a_hand_off_still_counts_the_receiver_as_waiting()
         .zadd("{llm}:slotalive:default", "fb", now + 600_000)
         .await?;
     // Two jobs of A wait behind it.
-    let (aa1, aa2) = (a.clone(), a.clone());
-    let w1 = tokio::spawn(async move { aa1.acquire("default", Duration::from_secs(10)).await });
+    let w1 = spawn_acquire(&a);
     assert!(wait_queued(&conn, a.token()).await, "A queued behind fb");
-    let w2 = tokio::spawn(async move { aa2.acquire("default", Duration::from_secs(10)).await });
-    let both_wait = wait_for(t, || {
-        let a = a.clone();
-        async move { a.waiting("default") == 2 }
-    })
-    .await;
-    assert!(both_wait, "both of A's jobs wait");
+    let w2 = spawn_acquire(&a);
+    assert!(waits_locally(&a, 2).await, "both of A's jobs wait");
     // First release: to fb, which leaves the queue.
     let r1 = held.remove(0);
     let i1 = r1.index();
@@ -876,14 +880,8 @@ async fn a_release_right_after_a_hand_off_still_counts_the_receiver_as_waiting()
     let _: () = conn
         .zadd("{llm}:slotq:default", "fb", tm.0 * 1_000_000 + tm.1)
         .await?;
-    let aa3 = a.clone();
-    let w3 = tokio::spawn(async move { aa3.acquire("default", Duration::from_secs(10)).await });
-    let three = wait_for(t, || {
-        let a = a.clone();
-        async move { a.waiting("default") == 2 }
-    })
-    .await;
-    assert!(three, "A's second and third jobs wait");
+    let w3 = spawn_acquire(&a);
+    assert!(waits_locally(&a, 2).await, "A's second and third jobs wait");
     held.remove(0).release().await?;
     let got2 = tokio::time::timeout(t, w2).await???;
     let i4 = got1.index();

@@ -304,6 +304,9 @@ pub async fn bind(
 
 #[cfg(test)]
 mod tests {
+    use super::tokens::fnv1a;
+    use super::*;
+    use serde_json::json;
 
     /// 2,000 connections at once, none accepted yet: every one completes its handshake
     /// (waits in the accept queue), none has its SYN dropped and sent again a second
@@ -342,9 +345,6 @@ mod tests {
         );
         drop(listener);
     }
-    use super::tokens::fnv1a;
-    use super::*;
-    use serde_json::json;
 
     #[test]
     fn prompt_tokens_string_and_parts() {
