@@ -1603,3 +1603,112 @@ async fn a_slot_freed_by_expiry_reaches_the_second_in_queue_when_the_head_left()
     );
     Ok(())
 }
+
+/// Issue 9: while jobs here wait for slots, the reader waits for a few free permits and
+/// reads them in one round trip, instead of one read (and one cancel check) per job
+/// whenever calls end one by one. Nothing is lost or run twice for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_go_in_batches_while_jobs_wait_for_slots() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    // Calls end one by one: 60-120 ms.
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 60,
+        jitter_ms: 60,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 2;
+    // Four read ahead of N: reads of three while a job still waits.
+    tc.concurrency = 6;
+    let dir = tempfile::tempdir()?;
+    let cfg_path = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let n = 40;
+    push(&mut conn, "llm", &jobs("batch", n)).await;
+    let reads_before = calls_of(&mut conn, "xreadgroup").await;
+    let mut w = WorkerProc::spawn(&cfg_path, "w1", &[]);
+    context(
+        wait_len(
+            &mut conn,
+            "{llm}:results",
+            n as u64,
+            Duration::from_secs(60),
+        )
+        .await,
+        &[&w],
+    )?;
+    let reads = calls_of(&mut conn, "xreadgroup").await - reads_before;
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+    assert_all_ok_once(&entries(&mut conn, "{llm}:results").await, n);
+    // One read per job freed would be about 35; batches of three, about 13, plus the
+    // blocking reads (block_ms = 200) once the stream is empty.
+    assert!(
+        reads <= 24,
+        "{reads} reads for {n} jobs: not batched while jobs waited"
+    );
+    assert!(slot_keys(&mut conn, "llm").await.is_empty());
+    Ok(())
+}
+
+/// The reader waits for more permits only while every pool has a job waiting here: a
+/// job for a pool with nobody waiting (maybe a free slot) is read at once, however many
+/// wait for another pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_of_a_pool_nobody_here_waits_for_is_read_at_once() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 10,
+        model_latency_ms: HashMap::from([("m1".to_string(), 20_000)]),
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.concurrency = 8;
+    tc.extra = "\n[pools.b]\nslots = 1\n".into();
+    let dir = tempfile::tempdir()?;
+    let cfg_path = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let env = [
+        ("LLM_WORKER__MODELS__M2__POOL", "b"),
+        ("LLM_WORKER__SLOTS__ACQUIRE_TIMEOUT_MS", "60000"),
+    ];
+    let w = WorkerProc::spawn(&cfg_path, "w1", &env);
+    // Four jobs on m1 (pool default, one slot, 20 s calls): one calls, three wait.
+    let slow: Vec<String> = (0..4).map(|i| job_on(&format!("slow-{i}"), "m1")).collect();
+    push(&mut conn, "llm", &slow).await;
+    let calling = in_flight_at_least(&sim, 1, Duration::from_secs(10)).await;
+    assert!(calling, "m1 called");
+    let read_all = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move {
+            let p: redis::streams::StreamPendingReply = c
+                .xpending("{llm}:jobs", "workers")
+                .await
+                .unwrap_or_else(|e| panic!("XPENDING: {e}"));
+            p.count() == 4
+        }
+    })
+    .await;
+    assert!(read_all, "the four m1 jobs were read");
+    // Past the reader's next blocking read (block_ms = 200), which returns empty: the
+    // reader then decides whether to wait for more permits, with three jobs waiting.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // A job on m2 (pool b, free): read and done at once, not after the reader's hold.
+    let pushed = Instant::now();
+    push(&mut conn, "llm", &[job_on("quick", "m2")]).await;
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(10)).await,
+        &[&w],
+    )?;
+    let took = pushed.elapsed();
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_eq!(results[0].1["job_id"], "quick", "{results:?}");
+    assert!(
+        took < Duration::from_millis(500),
+        "the m2 job took {took:?} (the reader's hold is 1 s)"
+    );
+    w.signal("KILL");
+    Ok(())
+}

@@ -50,6 +50,9 @@ pub struct Spec {
     pub subject: Subject,
     pub jobs: u64,
     pub latency_ms: u64,
+    /// Uniform extra latency of the simulated model, 0..=this (0: every call takes
+    /// exactly `latency_ms`, so calls that start together end together).
+    pub jitter_ms: u64,
     /// llm-worker: `pools.default.slots` (N).
     pub slots: u32,
     /// llm-worker: `worker.concurrency`; None = the daemon's default (key left out).
@@ -111,12 +114,13 @@ pub struct Sim {
 }
 
 impl Sim {
-    pub async fn start(env: &Env, latency_ms: u64) -> anyhow::Result<Sim> {
+    pub async fn start(env: &Env, latency_ms: u64, jitter_ms: u64) -> anyhow::Result<Sim> {
         let port = procs::free_port()?;
         let child = Command::new(&env.daemon)
             .arg("sim-provider")
             .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--latency-ms", &latency_ms.to_string(), "--jitter-ms", "0"])
+            .args(["--latency-ms", &latency_ms.to_string()])
+            .args(["--jitter-ms", &jitter_ms.to_string()])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -458,7 +462,7 @@ async fn failed_count(
 /// `Outcome::error`; only a failure of the bench machinery itself is an `Err`.
 pub async fn run(env: &Env, spec: &Spec) -> anyhow::Result<Outcome> {
     let redis = RedisServer::start(&env.dir).await?;
-    let sim = Sim::start(env, spec.latency_ms).await?;
+    let sim = Sim::start(env, spec.latency_ms, spec.jitter_ms).await?;
     let mut out = Outcome {
         spec: Some(spec.clone()),
         ..Outcome::default()
@@ -631,7 +635,7 @@ pub async fn start_stop(
     reps: usize,
 ) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
     let redis = RedisServer::start(&env.dir).await?;
-    let sim = Sim::start(env, 0).await?;
+    let sim = Sim::start(env, 0, 0).await?;
     let http = reqwest::Client::new();
     let mut ready = Vec::new();
     let mut exit = Vec::new();
