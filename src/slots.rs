@@ -210,10 +210,6 @@ struct PoolState {
     /// next release handed the slot to a process that did not want it (see
     /// `leave_if_idle`).
     queue_lock: tokio::sync::Mutex<()>,
-    /// This process may be in the pool's fleet queue: set (under `queue_lock`) before
-    /// every script that may queue it is sent, cleared by [`leave_if_idle`] (under the
-    /// lock too) once its ZREM is answered. While clear, leaving costs no round trip.
-    maybe_queued: AtomicBool,
     /// Slots this process holds that no job uses, for [`IDLE_HOLD`] at most (see there).
     /// Each is still in `held` (renewed, same value, same lost flag).
     idle: Mutex<Vec<IdleSlot>>,
@@ -477,7 +473,6 @@ impl Slots {
                         next_check: Mutex::new(Instant::now()),
                         hint: AtomicU32::new(0),
                         try_failed: AtomicBool::new(false),
-                        maybe_queued: AtomicBool::new(false),
                         queue_lock: tokio::sync::Mutex::new(()),
                         idle: Mutex::new(Vec::new()),
                         idle_flusher: AtomicBool::new(false),
@@ -641,19 +636,10 @@ impl Slots {
             let queue = ps.queue_lock.lock().await;
             // The driver may have served us while we waited for the lock; then the
             // lease is in `rx` already, and a try would only queue us for nothing.
-            // While this process holds every slot of the pool, no other holds one and a
-            // try cannot take any: the next slot is one of ours, kept here by its
-            // release (or, when another process waits, handed to it by the release
-            // script; the releaser then queues us: `release_batch`). No round trip now, and
-            // none to leave the queue when that release serves us; the driver tries on
-            // its own only if the wait outlasts its tick.
-            let tried = if !ps.is_waiting(id) {
-                None
-            } else if holds_every_slot(inner, ps) {
-                *lock(&ps.next_check) = Instant::now() + MAX_WAIT_TICK;
-                None
-            } else {
+            let tried = if ps.is_waiting(id) {
                 Some(try_take_detached(inner, pool, true).await)
+            } else {
+                None
             };
             match tried {
                 None => {}
@@ -766,7 +752,7 @@ fn observe_wait(pool: &str, started: Instant) {
 /// does not answer, the entry lapses with the process's liveness (`WAITER_ALIVE_MS`).
 async fn leave_if_idle(inner: &Inner, ps: &PoolState) {
     let _queue = ps.queue_lock.lock().await;
-    if ps.has_waiters() || !ps.maybe_queued.load(Ordering::SeqCst) {
+    if ps.has_waiters() {
         return;
     }
     let left = async {
@@ -778,19 +764,9 @@ async fn leave_if_idle(inner: &Inner, ps: &PoolState) {
             .await?;
         Ok::<(), SlotError>(())
     };
-    match left.await {
-        Ok(()) => ps.maybe_queued.store(false, Ordering::SeqCst),
-        Err(e) => {
-            tracing::debug!(error = %e, pool = %ps.name, "leaving the slot queue failed; the entry lapses with our liveness");
-        }
+    if let Err(e) = left.await {
+        tracing::debug!(error = %e, pool = %ps.name, "leaving the slot queue failed; the entry lapses with our liveness");
     }
-}
-
-/// True while every slot of `ps` is held by this process (in use or idle here).
-fn holds_every_slot(inner: &Inner, ps: &PoolState) -> bool {
-    let held = lock(&inner.held);
-    held.len() >= ps.size as usize
-        && held.values().filter(|h| h.pool == ps.name).count() >= ps.size as usize
 }
 
 fn remove_waiter(ps: &PoolState, id: u64) -> bool {
@@ -873,9 +849,6 @@ async fn try_take(
         .arg(want);
     let prefix = format!("{}.", lease_value(inner));
     inv.arg(&prefix);
-    if enqueue {
-        ps.maybe_queued.store(true, Ordering::SeqCst);
-    }
     let sent = Instant::now();
     let mut conn = inner.conn.get().await?;
     let reply: Vec<i64> = inv.invoke(&mut conn).await?;
@@ -909,13 +882,6 @@ async fn try_take(
         if got.is_empty() {
             Try::Wait(Duration::from_millis(1))
         } else {
-            // A try that takes a slot leaves this process out of the queue (it took
-            // only as the queue's live head, or with nobody queued: lua/slot_acquire.lua).
-            // Only a try that may queue runs under the queue lock, as every other
-            // script that may queue does: only its answer is the latest word.
-            if enqueue {
-                ps.maybe_queued.store(false, Ordering::SeqCst);
-            }
             Try::Got(got, sent)
         }
     } else {
@@ -1286,11 +1252,6 @@ async fn release_batch(
         } else {
             (None, 0)
         };
-        if want > 1 {
-            // The script queues this process again when it keeps a slot for one of these
-            // waiters and more still want one.
-            ps.maybe_queued.store(true, Ordering::SeqCst);
-        }
         let keep_prefix = if want > 0 {
             format!("{}.", lease_value(inner))
         } else {
@@ -1354,24 +1315,14 @@ async fn release_batch(
     for (ps, guard, want, keep_prefix, start, end) in groups {
         // The j-th slot kept in a group holds `keep_prefix` .. j (lua/slot_release.lua).
         let mut kept = 0;
-        let mut handed = false;
         for &j in &order[start..end] {
             if status[j] == 3 {
                 kept += 1;
                 let value = format!("{keep_prefix}{kept}");
                 deliver(ps, make_lease(inner, ps, batch[j].idx, value, asked_at));
             }
-            handed |= status[j] == 2;
         }
-        let unqueued = !ps.maybe_queued.load(Ordering::SeqCst);
         drop(guard);
-        if handed && want > kept && unqueued && ps.has_waiters() {
-            // A slot went to another process while waiters here are not in the fleet
-            // queue (they began waiting while this process held every slot, so they
-            // made no try): queue them now, behind the process just served, not at the
-            // driver's next tick.
-            spawn_retry(inner, ps);
-        }
         if want > kept && !ps.has_waiters() {
             // The script queued us again for waiters that another path (a hand-off's
             // pick-up racing this release) has served since: leave the queue, or the next

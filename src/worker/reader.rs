@@ -18,7 +18,7 @@ use tokio_util::task::TaskTracker;
 use super::*;
 
 /// Longest the reader waits for more free permits before reading (see `run`).
-const READ_HOLD_MAX: Duration = Duration::from_secs(1);
+pub const READ_HOLD_MAX: Duration = Duration::from_secs(1);
 
 impl Worker {
     /// How many jobs the reader reads at once while jobs here wait for slots: the read
@@ -133,6 +133,7 @@ impl Worker {
             let batch = self.read_batch();
             let held_since = Instant::now();
             while permits.len() < batch
+                && conn.is_some()
                 && self.slots.jobs_wait_in_every_pool()
                 && held_since.elapsed() < READ_HOLD_MAX
             {
