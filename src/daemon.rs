@@ -169,8 +169,7 @@ pub async fn run(
         worker.state.clone(),
         shutdown.stop.clone(),
         background.clone(),
-        // A reader round: its blocking read, plus its wait for a batch of permits.
-        cfg.queue.block_ms + crate::worker::READ_HOLD_MAX + Duration::from_secs(2),
+        cfg.queue.block_ms + Duration::from_secs(2),
     );
     let stopping = {
         let stop = shutdown.stop.clone();

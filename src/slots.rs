@@ -553,22 +553,6 @@ impl Slots {
         self.inner.pools.get(pool).map_or(0, |p| p.live_waiters())
     }
 
-    /// True while more than one job here waits for a slot and every pool has one waiting
-    /// (so a slot of any pool that frees has a job here to take it at once). The reader
-    /// waits for more free permits while this holds, to read several jobs in one round
-    /// trip; a pool with nobody waiting may have a slot free now, so then it reads at once.
-    pub fn jobs_wait_in_every_pool(&self) -> bool {
-        let mut total = 0;
-        for p in self.inner.pools.values() {
-            let w = p.live_waiters();
-            if w == 0 {
-                return false;
-            }
-            total += w;
-        }
-        total > 1
-    }
-
     /// Whether the last release script's word for `pool` was that no other process waits
     /// (which lets released slots stay in this process for [`QUIET_FOR`]). For tests.
     #[doc(hidden)]

@@ -286,21 +286,16 @@ impl Config {
         Ok(())
     }
 
-    /// `worker.concurrency` when absent: N of every pool plus an eighth read ahead (at
-    /// least min(4, N)), at most [`MAX_DERIVED_CONCURRENCY`]. Per process: a fleet of P
-    /// workers reads up to P times that ahead (jobs waiting for a slot stay pending under
-    /// their worker). At least a few ahead so reads can go in batches: the reader waits
-    /// for a second free permit while more than one job here waits for a slot
-    /// (`worker::reader`), which takes a read and a cancel check per job down to one per
-    /// batch when calls end one by one.
+    /// `worker.concurrency` when absent: N of every pool plus an eighth read ahead, at
+    /// most [`MAX_DERIVED_CONCURRENCY`]. Per process: a fleet of P workers reads up to
+    /// P times that ahead (jobs waiting for a slot stay pending under their worker).
     fn derive_concurrency(&mut self) {
         if self.worker.concurrency.is_none() {
             let n: usize = self.pools.values().map(|p| p.slots.get() as usize).sum();
             let n = n.max(1);
-            let ahead = (n / 8).max(n.min(4));
             // Capped: a huge pool must not make one process read the whole backlog.
             self.worker.concurrency =
-                std::num::NonZeroUsize::new((n + ahead).min(MAX_DERIVED_CONCURRENCY));
+                std::num::NonZeroUsize::new((n + (n / 8).max(1)).min(MAX_DERIVED_CONCURRENCY));
         }
     }
 

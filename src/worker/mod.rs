@@ -27,7 +27,6 @@ mod commit;
 mod keepalive;
 mod lifecycle;
 mod reader;
-pub use reader::READ_HOLD_MAX;
 
 use bill::*;
 use keepalive::*;

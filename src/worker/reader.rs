@@ -17,28 +17,7 @@ use tokio_util::task::TaskTracker;
 
 use super::*;
 
-/// Longest the reader waits for more free permits before reading (see `run`).
-pub const READ_HOLD_MAX: Duration = Duration::from_secs(1);
-
 impl Worker {
-    /// How many jobs the reader reads at once while jobs here wait for slots: the read
-    /// ahead (`worker.concurrency` beyond every pool's N) less one, so one job still
-    /// waits when the read goes out. 1 (no waiting) with a read ahead of 2 or less.
-    fn read_batch(&self) -> usize {
-        let n: usize = self
-            .cfg
-            .pools
-            .values()
-            .map(|p| p.slots.get() as usize)
-            .sum();
-        self.cfg
-            .worker
-            .concurrency()
-            .saturating_sub(n)
-            .saturating_sub(1)
-            .max(1)
-    }
-
     /// Reads jobs until `stop` fires, then waits for the job tasks to end. Tasks whose
     /// provider call runs finish their jobs unless `abort` fires (the shutdown module fires
     /// it after the grace period); tasks not yet calling (waiting for a slot, the rate
@@ -124,33 +103,6 @@ impl Worker {
             let mut permits = vec![first];
             while let Ok(p) = sem.clone().try_acquire_owned() {
                 permits.push(p);
-            }
-            // Read in batches while jobs here wait for slots: when calls end one by one
-            // (models vary), a read and a cancel check per job were most of a job's
-            // round trips and wakeups. Waiting for more permits costs no slot time while
-            // more than one job waits in every pool (the next slot to free has a taker);
-            // bounded, and cut short by a signal.
-            let batch = self.read_batch();
-            let held_since = Instant::now();
-            while permits.len() < batch
-                && conn.is_some()
-                && self.slots.jobs_wait_in_every_pool()
-                && held_since.elapsed() < READ_HOLD_MAX
-            {
-                tokio::select! {
-                    p = sem.clone().acquire_owned() => match p {
-                        Ok(p) => permits.push(p),
-                        Err(_) => break,
-                    },
-                    _ = stop.cancelled() => break,
-                    _ = tokio::time::sleep(READ_HOLD_MAX.saturating_sub(held_since.elapsed())) => break,
-                }
-                while let Ok(p) = sem.clone().try_acquire_owned() {
-                    permits.push(p);
-                }
-            }
-            if stop.is_cancelled() {
-                break;
             }
             if conn.is_none() {
                 match self.connect_reader().await {
