@@ -3,85 +3,113 @@
 //!
 //! Why: the kernel maps a file-backed page around every first touch (fault-around, and
 //! whole large folios of the page cache), so a binary whose start-up and hot path touch
-//! functions spread over its 14 MB of code is resident almost whole: 9-10 MB of `.text`
-//! for a worker that executes about 3.5 MB of it. Laid out together, those functions are
-//! what is resident (measured: peak RSS at concurrency 64 from 20.8 to 15 MB).
+//! functions spread over its 14 MB of code is resident almost whole: 9.6-10.8 MB of
+//! `.text`. Laid out together, about 5 MB is (peak RSS at concurrency 64, 0 ms model:
+//! 20.5 -> 15.5-15.7 MB; docs/performance.md, twelfth round).
 //!
 //! Invariant: this never changes what the program does, only where its functions sit.
-//! Names in the file that the build does not have (the code changed since the file was
-//! written: a function renamed, a generic instance gone, thin LTO's `.llvm.<hash>`
-//! suffix of a changed module) are skipped silently; the layout then degrades toward
-//! the linker's default, and `scripts/symbol-order --check` counts what still matches.
+//! Names in the file that the build does not have are skipped silently: the code
+//! changed since the file was written (a function renamed, a generic instance gone, thin
+//! LTO's `.llvm.<hash>` suffix of a changed module), or the symbol hashes differ (another
+//! rustc, another profile: `release-lines` matches almost none). The layout then degrades
+//! toward the linker's default; `scripts/symbol-order --check` counts what still matches.
 //!
-//! Only with a linker known to take `--symbol-ordering-file`: rustc's own `rust-lld`,
-//! the default for x86_64-unknown-linux-gnu since Rust 1.90, and no linker configured
-//! instead. `LLM_WORKER_SYMBOL_ORDER=0` turns it off.
+//! Applied only where the link is known to take it: a release build for the host, and a
+//! probe link of an empty program with the same rustc, linker and flags that accepts
+//! `--symbol-ordering-file` (rustc's own `rust-lld`, the default of rustup's
+//! x86_64-unknown-linux-gnu since Rust 1.90, does; GNU ld does not). A probe that fails
+//! says so in a cargo warning and the build goes on with the default layout.
+//! `LLM_WORKER_SYMBOL_ORDER=0` turns it off.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const ORDER_FILE: &str = "link/symbol-order.txt";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed={ORDER_FILE}");
     println!("cargo:rerun-if-env-changed=LLM_WORKER_SYMBOL_ORDER");
-    // Not a warning when skipped: a debug build or another linker is normal.
-    if skip_reason().is_some() {
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    let file = Path::new(&env("CARGO_MANIFEST_DIR")).join(ORDER_FILE);
+    if file.is_file() {
+        // Only when it exists: a path that does not would rerun this script (and rebuild
+        // the crate) on every build.
+        println!("cargo:rerun-if-changed={ORDER_FILE}");
+    }
+    // Not a warning when skipped for these: a debug build or a cross build is normal.
+    if env("LLM_WORKER_SYMBOL_ORDER") == "0"
+        || env("PROFILE") != "release"
+        || env("TARGET") != env("HOST")
+        || !file.is_file()
+    {
         return;
     }
-    let dir = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
-    let file = Path::new(&dir).join(ORDER_FILE);
-    println!(
-        "cargo:rustc-link-arg-bins=-Wl,--symbol-ordering-file={}",
-        file.display()
-    );
-    println!("cargo:rustc-link-arg-bins=-Wl,--no-warn-symbol-ordering");
+    let path = file.display().to_string();
+    if path.contains(',') {
+        // `-Wl,` splits its argument at commas.
+        println!("cargo:warning={ORDER_FILE} not applied: its path has a comma");
+        return;
+    }
+    let args = [
+        format!("-Wl,--symbol-ordering-file={path}"),
+        "-Wl,--no-warn-symbol-ordering".to_string(),
+    ];
+    match probe(&args) {
+        Ok(()) => {
+            for a in args {
+                println!("cargo:rustc-link-arg-bins={a}");
+            }
+        }
+        Err(why) => println!(
+            "cargo:warning={ORDER_FILE} not applied (the default layout: more of the binary resident): {why}"
+        ),
+    }
 }
 
-/// Why the order is not applied to this build, if it is not.
-fn skip_reason() -> Option<&'static str> {
+/// Links an empty program with the build's rustc, linker and flags plus `args`: `Ok` if
+/// that link succeeds, so the real one takes them too.
+fn probe(args: &[String]) -> Result<(), String> {
     let env = |k: &str| std::env::var(k).unwrap_or_default();
-    if env("LLM_WORKER_SYMBOL_ORDER") == "0" {
-        return Some("turned off");
-    }
-    if env("PROFILE") != "release" {
-        return Some("not a release build");
-    }
-    if env("TARGET") != "x86_64-unknown-linux-gnu" {
-        return Some("not x86_64-unknown-linux-gnu (rust-lld is not the default linker)");
-    }
-    let dir = env("CARGO_MANIFEST_DIR");
-    if !Path::new(&dir).join(ORDER_FILE).is_file() {
-        return Some("no order file");
-    }
-    // A linker configured instead of the default (cargo passes it as RUSTC_LINKER), or
-    // linker flags of one's own: leave the link alone.
-    if !env("RUSTC_LINKER").is_empty() {
-        return Some("a linker is configured");
-    }
-    let flags = env("CARGO_ENCODED_RUSTFLAGS");
-    if ["linker", "fuse-ld", "link-self-contained"]
-        .iter()
-        .any(|f| flags.contains(f))
-    {
-        return Some("RUSTFLAGS choose the linker");
-    }
+    let out = PathBuf::from(env("OUT_DIR"));
+    let src = out.join("symbol_order_probe.rs");
+    std::fs::write(&src, "fn main() {}\n").map_err(|e| format!("writing the probe: {e}"))?;
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
-    let version = Command::new(rustc)
-        .arg("-V")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .unwrap_or_default();
-    // "rustc 1.95.0 (59807616e 2026-04-14)"
-    let minor = version
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.split('.').nth(1))
-        .and_then(|m| m.parse::<u32>().ok());
-    match minor {
-        Some(m) if m >= 90 => None,
-        _ => Some("rustc older than 1.90 links with the system linker"),
+    let mut cmd = Command::new(rustc);
+    cmd.arg("--crate-name")
+        .arg("symbol_order_probe")
+        .arg("--edition=2021")
+        .arg("--target")
+        .arg(env("TARGET"))
+        .arg("-o")
+        .arg(out.join("symbol_order_probe"))
+        .arg(&src);
+    let linker = env("RUSTC_LINKER");
+    if !linker.is_empty() {
+        cmd.arg(format!("-Clinker={linker}"));
     }
+    for flag in env("CARGO_ENCODED_RUSTFLAGS")
+        .split('\x1f')
+        .filter(|f| !f.is_empty())
+    {
+        cmd.arg(flag);
+    }
+    for a in args {
+        cmd.arg(format!("-Clink-arg={a}"));
+    }
+    let done = cmd
+        .output()
+        .map_err(|e| format!("running rustc for the probe: {e}"))?;
+    if done.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&done.stderr);
+    let first = err
+        .lines()
+        .find(|l| l.contains("unrecognized") || l.contains("unknown"))
+        .or_else(|| err.lines().find(|l| l.contains("error")))
+        .unwrap_or("the probe link failed");
+    Err(format!(
+        "the linker refused --symbol-ordering-file ({})",
+        first.trim()
+    ))
 }

@@ -343,6 +343,52 @@ fn error_code(v: &Value) -> (String, String) {
     (code, msg)
 }
 
+/// A JSON value read as [`Value`] reads one (nesting depth, numbers in range, escapes
+/// that make characters), keeping nothing. Not `serde::de::IgnoredAny`: serde_json skips
+/// that without those checks.
+struct Checked;
+
+impl<'de> serde::Deserialize<'de> for Checked {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Checked, D::Error> {
+        d.deserialize_any(CheckedVisitor)
+    }
+}
+
+struct CheckedVisitor;
+
+impl<'de> serde::de::Visitor<'de> for CheckedVisitor {
+    type Value = Checked;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+    fn visit_unit<E>(self) -> Result<Checked, E> {
+        Ok(Checked)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Checked, A::Error> {
+        while a.next_element::<Checked>()?.is_some() {}
+        Ok(Checked)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Checked, A::Error> {
+        while a.next_entry::<Checked, Checked>()?.is_some() {}
+        Ok(Checked)
+    }
+}
+
 /// A JSON object's members as they are written (a repeated name: the last one, as
 /// [`Value`] reads it). Keys with escapes are not borrowable: such a body takes the full
 /// parse.
@@ -352,9 +398,13 @@ type RawObject<'a> = std::collections::BTreeMap<&'a str, &'a serde_json::value::
 /// building a [`Value`] of the whole body (that was about a tenth of the worker's
 /// instructions per job at a 0 ms model): only the `usage` object becomes one. `None`
 /// for anything else (an `error` member, no choices, a content that is not a string, a
-/// key with escapes, not an object at all): the caller then reads the body in full, so
-/// the outcome of every body is the one the full read gives.
+/// key with escapes, not an object at all, a body the full read refuses): the caller then
+/// reads the body in full, so the outcome of every body is the one the full read gives.
 fn classify_ok_fast(body: &[u8]) -> Option<Outcome> {
+    // First the whole body as the full read checks it (nesting depth, numbers in range,
+    // escapes that make characters), with nothing built: the raw members below are only
+    // skimmed, and would let through what the full read refuses in a member it skips.
+    serde_json::from_slice::<Checked>(body).ok()?;
     let top: RawObject = serde_json::from_slice(body).ok()?;
     if top.get("error").is_some_and(|e| e.get() != "null") {
         return None;
@@ -579,6 +629,52 @@ mod tests {
         }
     }
 
+    /// Bodies the full read refuses in a member the fast read does not open (nesting
+    /// past serde_json's 128 levels, a number out of range, a lone surrogate): the fast
+    /// read must refuse them too, or a body the full read calls "not JSON" (no bill, a
+    /// retry) would become a success with its usage billed.
+    #[test]
+    fn the_fast_read_refuses_what_the_full_read_refuses_in_members_it_skips() {
+        let ok = r#""choices":[{"message":{"content":"a"}}],"usage":{"prompt_tokens":9,"completion_tokens":2}"#;
+        let deep = format!(r#"{{{ok},"x":{}{}}}"#, "[".repeat(130), "]".repeat(130));
+        let bodies = [
+            deep,
+            format!(r#"{{"id":1e400,{ok}}}"#),
+            format!(r#"{{"id":"\ud800",{ok}}}"#),
+            format!(r#"{{"id":"\udc00x",{ok}}}"#),
+            format!(r#"{{{ok},"choices_extra":[{{"message":{{"content":"b","n":-1e999}}}}]}}"#),
+            r#"{"choices":[{"message":{"content":"a","refusal":"\ud83d"}}],"usage":{"prompt_tokens":9}}"#
+                .to_string(),
+        ];
+        for b in &bodies {
+            let f = full(b);
+            assert!(f.result.is_err(), "the full read refuses {b}");
+            assert_eq!(classify_ok_fast(b.as_bytes()), None, "body {b}");
+            assert_eq!(c(200, b), f, "body {b}");
+        }
+    }
+
+    /// The first choice is the answer, and only a success status is read fast.
+    #[test]
+    fn the_fast_read_takes_the_first_choice_and_only_a_success() {
+        let b = r#"{"choices":[{"message":{"content":"first"}},{"message":{"content":"second"}}]}"#;
+        assert_eq!(c(200, b).result.unwrap().content, "first");
+        let o = c(500, b);
+        assert_eq!(
+            o,
+            classify_full(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &HeaderMap::new(),
+                b.as_bytes(),
+                SystemTime::UNIX_EPOCH
+            )
+        );
+        assert!(
+            o.result.is_err(),
+            "a 500 is an error whatever its body says"
+        );
+    }
+
     proptest::proptest! {
         /// Generated bodies from the pieces a chat answer is made of: wherever the fast
         /// read answers, the full read answers the same.
@@ -593,6 +689,7 @@ mod tests {
                 r#""usage":{"prompt_tokens":5,"completion_tokens":1}"#,
                 r#""usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":9}}"#,
                 r#""usage":null"#, r#""usage":{}"#, r#""id":"chatcmpl-1""#, r#""created":12"#,
+                r#""big":1e400"#, r#""half":"\ud800""#, r#""deep":[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]"#,
             ]), 0..6)
         ) {
             let body = format!("{{{}}}", parts.join(","));
