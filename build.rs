@@ -28,13 +28,26 @@ const ORDER_FILE: &str = "link/symbol-order.txt";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-env-changed=LLM_WORKER_SYMBOL_ORDER");
     let env = |k: &str| std::env::var(k).unwrap_or_default();
-    let file = Path::new(&env("CARGO_MANIFEST_DIR")).join(ORDER_FILE);
+    // The probe's answer holds only for the linker and flags it was given.
+    let host = env("HOST").to_uppercase().replace('-', "_");
+    for v in [
+        "LLM_WORKER_SYMBOL_ORDER".to_string(),
+        "RUSTFLAGS".to_string(),
+        "CARGO_BUILD_RUSTFLAGS".to_string(),
+        format!("CARGO_TARGET_{host}_LINKER"),
+        format!("CARGO_TARGET_{host}_RUSTFLAGS"),
+    ] {
+        println!("cargo:rerun-if-env-changed={v}");
+    }
+    let dir = Path::new(&env("CARGO_MANIFEST_DIR")).join("link");
+    let file = dir.join("symbol-order.txt");
+    // Only paths that exist: one that does not would rerun this script (and rebuild the
+    // crate) on every build. The folder, so a file written into it later is seen.
     if file.is_file() {
-        // Only when it exists: a path that does not would rerun this script (and rebuild
-        // the crate) on every build.
         println!("cargo:rerun-if-changed={ORDER_FILE}");
+    } else if dir.is_dir() {
+        println!("cargo:rerun-if-changed=link");
     }
     // Not a warning when skipped for these: a debug build or a cross build is normal.
     if env("LLM_WORKER_SYMBOL_ORDER") == "0"
@@ -109,7 +122,7 @@ fn probe(args: &[String]) -> Result<(), String> {
         .or_else(|| err.lines().find(|l| l.contains("error")))
         .unwrap_or("the probe link failed");
     Err(format!(
-        "the linker refused --symbol-ordering-file ({})",
+        "a probe link with --symbol-ordering-file failed ({})",
         first.trim()
     ))
 }

@@ -384,8 +384,40 @@ impl<'de> serde::de::Visitor<'de> for CheckedVisitor {
         Ok(Checked)
     }
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<Checked, A::Error> {
+        // `Value` reads an object whose first key is serde_json's raw-value marker as a
+        // raw value (a string of JSON, and no other member), refusing anything else: such
+        // a body is left to the full read.
+        match a.next_key::<FirstKey>()? {
+            None => return Ok(Checked),
+            Some(FirstKey(true)) => {
+                return Err(serde::de::Error::custom("serde_json's raw-value marker"));
+            }
+            Some(FirstKey(false)) => {
+                a.next_value::<Checked>()?;
+            }
+        }
         while a.next_entry::<Checked, Checked>()?.is_some() {}
         Ok(Checked)
+    }
+}
+
+/// An object's first key, decoded: whether it is serde_json's raw-value marker (with the
+/// `raw_value` feature, `Value` treats an object starting with it as a raw value).
+struct FirstKey(bool);
+
+impl<'de> serde::Deserialize<'de> for FirstKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<FirstKey, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = FirstKey;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_str<E>(self, k: &str) -> Result<FirstKey, E> {
+                Ok(FirstKey(k == "$serde_json::private::RawValue"))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -645,6 +677,11 @@ mod tests {
             format!(r#"{{{ok},"choices_extra":[{{"message":{{"content":"b","n":-1e999}}}}]}}"#),
             r#"{"choices":[{"message":{"content":"a","refusal":"\ud83d"}}],"usage":{"prompt_tokens":9}}"#
                 .to_string(),
+            // serde_json's raw-value marker as an object's first key: `Value` reads the
+            // object as a raw value (a string of JSON, and nothing else) or refuses it.
+            format!(r#"{{{ok},"x":{{"$serde_json::private::RawValue":0}}}}"#),
+            format!(r#"{{"$serde_json::private::RawValue":"1",{ok}}}"#),
+            format!(r#"{{{ok},"x":{{"$serde_json::private::Raw\u0056alue":"[1]","y":2}}}}"#),
         ];
         for b in &bodies {
             let f = full(b);
@@ -689,7 +726,7 @@ mod tests {
                 r#""usage":{"prompt_tokens":5,"completion_tokens":1}"#,
                 r#""usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":9}}"#,
                 r#""usage":null"#, r#""usage":{}"#, r#""id":"chatcmpl-1""#, r#""created":12"#,
-                r#""big":1e400"#, r#""half":"\ud800""#, r#""deep":[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]"#,
+                r#""big":1e400"#, r#""half":"\ud800""#, r#""raw":{"$serde_json::private::RawValue":"1"}"#, r#""deep":[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]"#,
             ]), 0..6)
         ) {
             let body = format!("{{{}}}", parts.join(","));
