@@ -40,8 +40,8 @@ fn main() {
     ] {
         println!("cargo:rerun-if-env-changed={v}");
     }
-    let dir = Path::new(&env("CARGO_MANIFEST_DIR")).join("link");
-    let file = dir.join("symbol-order.txt");
+    let file = Path::new(&env("CARGO_MANIFEST_DIR")).join(ORDER_FILE);
+    let dir = file.parent().unwrap_or(Path::new("."));
     // Only paths that exist: one that does not would rerun this script (and rebuild the
     // crate) on every build. The folder, so a file written into it later is seen.
     if file.is_file() {
