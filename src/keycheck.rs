@@ -70,7 +70,10 @@ pub async fn check(cfg: &Config) -> Result<Vec<(String, Found)>, KeyError> {
             continue;
         }
         let url = format!("{}/models", p.base_url.trim_end_matches('/'));
-        let client = match reqwest::Client::builder().timeout(CHECK_TIMEOUT).build() {
+        let client = match crate::provider::http_client()
+            .timeout(CHECK_TIMEOUT)
+            .build()
+        {
             Ok(c) => c,
             Err(e) => {
                 out.push((name.clone(), Found::Unknown(format!("no HTTP client: {e}"))));

@@ -8,76 +8,11 @@ use llm_worker::sim::SimOptions;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-fn openssl(dir: &std::path::Path, args: &[&str]) {
-    let ok = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("openssl on PATH (apt-get install openssl)")
-        .success();
-    assert!(ok, "openssl {args:?}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_flow_over_tls_with_a_private_ca() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let d = dir.path();
-    openssl(
-        d,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=llm-worker-test-ca",
-        ],
-    );
-    openssl(
-        d,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "srv.key",
-            "-out",
-            "srv.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-    );
-    std::fs::write(d.join("ext"), "subjectAltName=IP:127.0.0.1\n")?;
-    openssl(
-        d,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "srv.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "srv.pem",
-            "-days",
-            "1",
-            "-extfile",
-            "ext",
-        ],
-    );
+    common::certs::certificates(d, "");
 
     let port = free_port();
     let mut server = Command::new("redis-server")

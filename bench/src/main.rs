@@ -34,6 +34,11 @@ struct Args {
     /// by MONITOR), ceiling.
     #[arg(long)]
     only: Option<String>,
+    /// Scenario a as this many llm-worker/peer pairs, each pair in the other order than
+    /// the one before (so a machine that slows down over the run weighs on both); the
+    /// table shows the pair whose jobs/s ratio is the median, and a row of every ratio.
+    #[arg(long, default_value_t = 1)]
+    pairs: usize,
 }
 
 struct Sizes {
@@ -165,8 +170,45 @@ async fn main() -> anyhow::Result<()> {
     // (a) 0 ms model, 1 worker, concurrency 64, N=64.
     let mut a_rss: Option<(Option<f64>, Option<f64>)> = None;
     if want("a") {
-        let l = go(&env, args.quick, spec("a", Llm, sz.a, 0, 64), &mut all).await?;
-        let p = go(&env, args.quick, spec("a", Peer, sz.a, 0, 64), &mut all).await?;
+        let mut pairs: Vec<(Outcome, Outcome)> = Vec::new();
+        for k in 0..args.pairs.max(1) {
+            let (l, p) = if k % 2 == 0 {
+                let l = go(&env, args.quick, spec("a", Llm, sz.a, 0, 64), &mut all).await?;
+                let p = go(&env, args.quick, spec("a", Peer, sz.a, 0, 64), &mut all).await?;
+                (l, p)
+            } else {
+                let p = go(&env, args.quick, spec("a", Peer, sz.a, 0, 64), &mut all).await?;
+                let l = go(&env, args.quick, spec("a", Llm, sz.a, 0, 64), &mut all).await?;
+                (l, p)
+            };
+            pairs.push((l, p));
+        }
+        let ratio = |(l, p): &(Outcome, Outcome)| match (
+            val(l, |o| o.jobs_per_s),
+            val(p, |o| o.jobs_per_s),
+        ) {
+            (Some(a), Some(b)) if b > 0.0 => a / b,
+            _ => f64::NAN,
+        };
+        let ratios: Vec<f64> = pairs.iter().map(ratio).collect();
+        let (l, p) = if pairs.len() == 1 {
+            pairs.swap_remove(0)
+        } else {
+            // The pair whose ratio is the median (the lower middle one of an even count).
+            let mut order: Vec<usize> = (0..pairs.len()).collect();
+            order.sort_by(|&x, &y| ratios[x].total_cmp(&ratios[y]));
+            let mid = order[(order.len() - 1) / 2];
+            let each = ratios
+                .iter()
+                .map(|r| format!("{r:.2}x"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            rep.note(format!(
+                "a: {} pairs, jobs/s ratios in run order {each}; the rows of a show the median pair",
+                pairs.len()
+            ));
+            pairs.swap_remove(mid)
+        };
         let t = format!("0 ms, C=64, N=64, {} jobs", sz.a);
         rep.push(
             Row::new("a", &format!("jobs/s, {t}"), ">= 1.25x peer")
@@ -190,6 +232,12 @@ async fn main() -> anyhow::Result<()> {
             val(&l, |o| o.worker_cpu_ms_per_job),
             val(&p, |o| o.worker_cpu_ms_per_job),
         ));
+        rep.push(
+            Row::new("a", "simulated model's CPU ms/job (shared cost, info)", "-").vals(
+                val(&l, |o| o.sim_cpu_ms_per_job),
+                val(&p, |o| o.sim_cpu_ms_per_job),
+            ),
+        );
         a_rss = Some((
             val(&l, |o| mb(o.peak_rss_kb)),
             val(&p, |o| mb(o.peak_rss_kb)),
@@ -199,21 +247,40 @@ async fn main() -> anyhow::Result<()> {
     // (q) Scenario a with a budget and fleet-wide rpm/tpm configured (issue 10: the
     // figures must hold with quotas on), side by side with the plain worker and the peer.
     if want("q") {
-        let l = go(&env, args.quick, spec("q-plain", Llm, sz.a, 0, 64), &mut all).await?;
+        let l = go(
+            &env,
+            args.quick,
+            spec("q-plain", Llm, sz.a, 0, 64),
+            &mut all,
+        )
+        .await?;
         let mut qs = spec("q-quotas", Llm, sz.a, 0, 64);
         qs.quotas = true;
         let q = go(&env, args.quick, qs, &mut all).await?;
-        let p = go(&env, args.quick, spec("q-peer", Peer, sz.a, 0, 64), &mut all).await?;
+        let p = go(
+            &env,
+            args.quick,
+            spec("q-peer", Peer, sz.a, 0, 64),
+            &mut all,
+        )
+        .await?;
         let t = format!("0 ms, C=64, N=64, {} jobs", sz.a);
         for (what, f) in [
-            ("jobs/s", (|o: &Outcome| o.jobs_per_s) as fn(&Outcome) -> f64),
+            (
+                "jobs/s",
+                (|o: &Outcome| o.jobs_per_s) as fn(&Outcome) -> f64,
+            ),
             ("commands/job", |o: &Outcome| o.commands_per_job),
             ("Redis CPU ms/job", |o: &Outcome| o.redis_cpu_ms_per_job),
             ("worker CPU ms/job", |o: &Outcome| o.worker_cpu_ms_per_job),
         ] {
             rep.push(
-                Row::new("q", &format!("{what}, budget + rpm/tpm on, {t}"), "as without")
-                    .vals(val(&q, f), val(&p, f)),
+                Row::new(
+                    "q",
+                    &format!("{what}, budget + rpm/tpm on, {t}"),
+                    "as without",
+                )
+                .vals(val(&q, f), val(&p, f)),
             );
             rep.push(
                 Row::new("q", &format!("{what}, same run, quotas off"), "-")
@@ -414,13 +481,23 @@ async fn main() -> anyhow::Result<()> {
         let l = go(&env, args.quick, ls, &mut all).await?;
         let p = go(&env, args.quick, ps, &mut all).await?;
         rep.push(
-            Row::new("d", "worker CPU ms/job, 175-225 ms (N=8; jittered)", "(info)").vals(
+            Row::new(
+                "d",
+                "worker CPU ms/job, 175-225 ms (N=8; jittered)",
+                "(info)",
+            )
+            .vals(
                 val(&l, |o| o.worker_cpu_ms_per_job),
                 val(&p, |o| o.worker_cpu_ms_per_job),
             ),
         );
         rep.push(
-            Row::new("d", "Redis CPU ms/job, 175-225 ms (N=8; jittered)", "(info)").vals(
+            Row::new(
+                "d",
+                "Redis CPU ms/job, 175-225 ms (N=8; jittered)",
+                "(info)",
+            )
+            .vals(
                 val(&l, |o| o.redis_cpu_ms_per_job),
                 val(&p, |o| o.redis_cpu_ms_per_job),
             ),

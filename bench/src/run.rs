@@ -86,6 +86,9 @@ pub struct Outcome {
     pub reads_per_job: f64,
     pub redis_cpu_ms_per_job: f64,
     pub worker_cpu_ms_per_job: f64,
+    /// The simulated model's CPU per job: a cost both subjects share on the same cores,
+    /// so the larger it is, the closer every jobs/s ratio is pressed towards 1.
+    pub sim_cpu_ms_per_job: f64,
     /// Largest VmHWM of the worker processes, kB.
     pub peak_rss_kb: u64,
     /// Spawn to ready, slowest process, ms.
@@ -111,6 +114,13 @@ pub struct Outcome {
 pub struct Sim {
     pub port: u16,
     child: Child,
+}
+
+impl Sim {
+    /// The simulator's CPU seconds so far (user + system), when its process can be read.
+    pub fn cpu_seconds(&self) -> Option<f64> {
+        self.child.id().and_then(procs::cpu_seconds)
+    }
 }
 
 impl Sim {
@@ -523,6 +533,7 @@ async fn measure(
         .iter()
         .filter_map(|p| procs::cpu_seconds(p.pid))
         .sum();
+    let sim_cpu0 = sim.cpu_seconds();
     let s0 = redisx::snap(&mut c).await?;
     let t0 = Instant::now();
     let r0 = done_count(spec.subject, &mut c).await?;
@@ -554,6 +565,7 @@ async fn measure(
         .iter()
         .filter_map(|p| procs::cpu_seconds(p.pid))
         .sum();
+    let sim_cpu1 = sim.cpu_seconds();
     let s1 = redisx::snap(&mut c).await?;
     let monitor_counts: Option<MonitorCounts> = match mon {
         Some((stop, task)) => {
@@ -579,6 +591,9 @@ async fn measure(
     out.reads_per_job = (s1.reads - s0.reads).saturating_sub(polls + 1) as f64 / n;
     out.redis_cpu_ms_per_job = (s1.cpu - s0.cpu) * 1e3 / n;
     out.worker_cpu_ms_per_job = (cpu1 - cpu0) * 1e3 / n;
+    if let (Some(a), Some(b)) = (sim_cpu0, sim_cpu1) {
+        out.sim_cpu_ms_per_job = (b - a) * 1e3 / n;
+    }
     let mut per_job: BTreeMap<String, f64> = BTreeMap::new();
     for (k, v) in redisx::delta(&s0.calls, &s1.calls) {
         let own_k = match k.as_str() {

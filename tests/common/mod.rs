@@ -3,6 +3,8 @@
 //! real `llm-worker` binary as a child process. Every wait is bounded.
 #![allow(dead_code)]
 
+pub mod certs;
+
 use anyhow::{Context, Result, bail};
 use llm_worker::sim::{Fault, Rule};
 use redis::AsyncCommands;
