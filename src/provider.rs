@@ -142,8 +142,14 @@ pub struct ProviderClient {
 ///
 /// Invariant: the settings are those reqwest builds itself by default (rustls with the
 /// installed or the aws-lc-rs crypto provider, TLS 1.2 and 1.3, the platform verifier,
-/// SNI on, ALPN `h2` then `http/1.1`). If the platform verifier cannot be made, the
-/// builder is returned untouched, so reqwest's own attempt reports the error as before.
+/// SNI on, ALPN `h2` then `http/1.1`); the clients also share one TLS session cache. The
+/// root store is the one read at first use. If the platform verifier cannot be made, or
+/// this reqwest does not take the settings (a `cargo update` that gives it another
+/// rustls than ours), the builder is returned untouched: reqwest builds its own, as
+/// before, and reports its own errors.
+///
+/// With the shared settings, a caller's `tls_*` builder options (roots, versions,
+/// `http1_only`'s ALPN) are not applied: no caller sets any.
 pub fn http_client() -> reqwest::ClientBuilder {
     static TLS: std::sync::OnceLock<Option<rustls::ClientConfig>> = std::sync::OnceLock::new();
     let builder = reqwest::Client::builder();
@@ -171,6 +177,15 @@ fn shared_tls() -> Option<rustls::ClientConfig> {
         .with_custom_certificate_verifier(std::sync::Arc::new(verifier))
         .with_no_client_auth();
     tls.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    // reqwest takes a preconfigured backend by its type: with another rustls version it
+    // would refuse every client at build time. Try once; without it, each builds its own.
+    if let Err(e) = reqwest::Client::builder()
+        .tls_backend_preconfigured(tls.clone())
+        .build()
+    {
+        tracing::debug!(error = %e, "reqwest does not take the shared TLS settings; each HTTP client builds its own");
+        return None;
+    }
     Some(tls)
 }
 

@@ -195,7 +195,13 @@ async fn main() -> anyhow::Result<()> {
             pairs.swap_remove(0)
         } else {
             // The pair whose ratio is the median (the lower middle one of an even count).
-            let mut order: Vec<usize> = (0..pairs.len()).collect();
+            // Pairs with a failed run have no ratio: left out of the median.
+            let mut order: Vec<usize> = (0..pairs.len())
+                .filter(|&k| ratios[k].is_finite())
+                .collect();
+            if order.is_empty() {
+                order.push(0);
+            }
             order.sort_by(|&x, &y| ratios[x].total_cmp(&ratios[y]));
             let mid = order[(order.len() - 1) / 2];
             let each = ratios
@@ -234,8 +240,8 @@ async fn main() -> anyhow::Result<()> {
         ));
         rep.push(
             Row::new("a", "simulated model's CPU ms/job (shared cost, info)", "-").vals(
-                val(&l, |o| o.sim_cpu_ms_per_job),
-                val(&p, |o| o.sim_cpu_ms_per_job),
+                l.sim_cpu_ms_per_job.filter(|_| ok(&l)),
+                p.sim_cpu_ms_per_job.filter(|_| ok(&p)),
             ),
         );
         a_rss = Some((

@@ -88,7 +88,7 @@ pub struct Outcome {
     pub worker_cpu_ms_per_job: f64,
     /// The simulated model's CPU per job: a cost both subjects share on the same cores,
     /// so the larger it is, the closer every jobs/s ratio is pressed towards 1.
-    pub sim_cpu_ms_per_job: f64,
+    pub sim_cpu_ms_per_job: Option<f64>,
     /// Largest VmHWM of the worker processes, kB.
     pub peak_rss_kb: u64,
     /// Spawn to ready, slowest process, ms.
@@ -592,7 +592,7 @@ async fn measure(
     out.redis_cpu_ms_per_job = (s1.cpu - s0.cpu) * 1e3 / n;
     out.worker_cpu_ms_per_job = (cpu1 - cpu0) * 1e3 / n;
     if let (Some(a), Some(b)) = (sim_cpu0, sim_cpu1) {
-        out.sim_cpu_ms_per_job = (b - a) * 1e3 / n;
+        out.sim_cpu_ms_per_job = Some((b - a) * 1e3 / n);
     }
     let mut per_job: BTreeMap<String, f64> = BTreeMap::new();
     for (k, v) in redisx::delta(&s0.calls, &s1.calls) {
