@@ -59,14 +59,19 @@ const NOT_SENT: &str = "connection failed";
 
 impl Outcome {
     /// The provider may have billed this call but did not say for how much: a success
-    /// without usage, or a request sent and then cut off (timeout, reset). Budgets and
-    /// per-job caps count such a call at its worst case. An HTTP error answer without
-    /// usage, or a connection never made, is not billed.
+    /// without usage, a 2xx answer whose usage cannot be read (not JSON, cut off, an
+    /// error inside a 200: the provider answered "success" and may have billed it), or a
+    /// request sent and then cut off (timeout, reset). Budgets and per-job caps count
+    /// such a call at its worst case. An HTTP error answer (4xx, 5xx) without usage, or
+    /// a connection never made, is not billed.
     pub fn cost_unknown(&self) -> bool {
         self.usage.is_none()
             && match &self.result {
                 Ok(_) => true,
-                Err(e) => e.status.is_none() && !e.message.starts_with(NOT_SENT),
+                Err(e) => match e.status {
+                    Some(s) => (200..300).contains(&s),
+                    None => !e.message.starts_with(NOT_SENT),
+                },
             }
     }
 }
@@ -322,26 +327,37 @@ pub fn parse_usage(v: &Value) -> Option<Usage> {
 }
 
 /// [`parse_usage`] of the `usage` object itself.
+///
+/// A count that is absent or null reads as none; one that is present but not a whole
+/// number >= 0 that fits u64 (a float, a negative, a string, 1e20) makes the whole usage
+/// unreadable (`None`: the call's cost is unknown), never 0, which would bill the call
+/// for less than the provider did.
 fn usage_of(u: &Value) -> Option<Usage> {
     let u = u.as_object()?;
-    let num = |k: &str| u.get(k).and_then(Value::as_u64);
-    let read = num("cache_read_input_tokens");
-    let written = num("cache_creation_input_tokens").unwrap_or(0);
-    let (prompt, completion, cached) = match num("prompt_tokens") {
+    /// Ok(None) absent or null, Ok(Some(n)) a count, Err(()) present but unreadable.
+    fn count(v: Option<&Value>) -> Result<Option<u64>, ()> {
+        match v {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or(()),
+        }
+    }
+    let num = |k: &str| count(u.get(k));
+    let read = num("cache_read_input_tokens").ok()?;
+    let written = num("cache_creation_input_tokens").ok()?.unwrap_or(0);
+    let (prompt, completion, cached) = match num("prompt_tokens").ok()? {
         Some(prompt) => {
-            let cached = u
-                .get("prompt_tokens_details")
-                .and_then(|d| d.get("cached_tokens"))
-                .and_then(Value::as_u64)
-                .or(read)
-                .unwrap_or(0);
-            (prompt, num("completion_tokens").unwrap_or(0), cached)
+            let details = match u.get("prompt_tokens_details") {
+                None | Some(Value::Null) => None,
+                Some(d) => count(d.get("cached_tokens")).ok()?,
+            };
+            let cached = details.or(read).unwrap_or(0);
+            (prompt, num("completion_tokens").ok()?.unwrap_or(0), cached)
         }
         None => {
-            let input = num("input_tokens")?;
+            let input = num("input_tokens").ok()??;
             let read = read.unwrap_or(0);
             let prompt = input.checked_add(read)?.checked_add(written)?;
-            (prompt, num("output_tokens").unwrap_or(0), read)
+            (prompt, num("output_tokens").ok()?.unwrap_or(0), read)
         }
     };
     if prompt > MAX_REPORTED_TOKENS || completion > MAX_REPORTED_TOKENS {
@@ -659,6 +675,95 @@ mod tests {
     }
 
     /// The fast read answers the common body, and exactly as the full read does.
+    #[test]
+    fn a_token_count_present_but_unreadable_is_no_usage_not_zero() {
+        // Read as 0, these under-billed the call and counted its usage as known.
+        for bad in [
+            serde_json::json!(1e20),
+            serde_json::json!(50.5),
+            serde_json::json!(-3),
+            serde_json::json!("7"),
+            serde_json::json!([1]),
+        ] {
+            for (shape, field) in [
+                (
+                    serde_json::json!({"prompt_tokens": 10, "completion_tokens": 1}),
+                    "completion_tokens",
+                ),
+                (
+                    serde_json::json!({"input_tokens": 10, "output_tokens": 1}),
+                    "output_tokens",
+                ),
+                (
+                    serde_json::json!({"input_tokens": 10, "output_tokens": 1}),
+                    "cache_read_input_tokens",
+                ),
+                (
+                    serde_json::json!({"prompt_tokens": 10, "completion_tokens": 1}),
+                    "cache_creation_input_tokens",
+                ),
+                (
+                    serde_json::json!({"prompt_tokens": 10, "completion_tokens": 1}),
+                    "cache_read_input_tokens",
+                ),
+            ] {
+                let mut u = shape.clone();
+                u[field] = bad.clone();
+                assert_eq!(
+                    parse_usage(&serde_json::json!({ "usage": u })),
+                    None,
+                    "{field} = {bad} in {shape}"
+                );
+            }
+            let u = serde_json::json!({"prompt_tokens": 10, "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": bad.clone()}});
+            assert_eq!(
+                parse_usage(&serde_json::json!({ "usage": u })),
+                None,
+                "cached_tokens = {bad}"
+            );
+        }
+        // Absent or null stays 0 (providers leave out what they did not use).
+        let u = parse_usage(&serde_json::json!({"usage": {"prompt_tokens": 10,
+            "completion_tokens": null, "cache_read_input_tokens": null,
+            "prompt_tokens_details": {"cached_tokens": null}}}))
+        .expect("nulls read as absent");
+        assert_eq!(
+            (u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+            (10, 0, 0)
+        );
+        let u = parse_usage(&serde_json::json!({"usage": {"prompt_tokens": 10,
+            "prompt_tokens_details": null}}))
+        .expect("no completion count, no details");
+        assert_eq!((u.prompt_tokens, u.completion_tokens), (10, 0));
+    }
+
+    #[test]
+    fn a_success_status_whose_usage_cannot_be_read_is_cost_unknown() {
+        // The provider answered 2xx: it may have billed the call. A body the worker cannot
+        // read (cut mid-emoji, not JSON, an error inside a 200) must not count as free.
+        for body in [
+            r#"{"choices":[{"message":{"content":"hi \ud83d"},"finish_reason":"length"}],"usage":{"prompt_tokens":9,"completion_tokens":2}}"#,
+            "<html>502 Bad Gateway</html>",
+            r#"{"choices":[{"message":{"content":"cut"#,
+            r#"{"error":{"message":"upstream failed mid-answer"}}"#,
+            r#"{"choices":[]}"#,
+        ] {
+            let o = c(200, body);
+            assert!(o.result.is_err(), "{body}");
+            assert!(o.cost_unknown(), "a 2xx without readable usage: {body}");
+        }
+        // An HTTP error answer without usage is still not billed; a success with usage
+        // is known; a connection never made is not billed.
+        assert!(!c(500, "oops").cost_unknown());
+        assert!(!c(429, r#"{"error":{"message":"slow down"}}"#).cost_unknown());
+        let ok = c(
+            200,
+            r#"{"choices":[{"message":{"content":"x"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}"#,
+        );
+        assert!(!ok.cost_unknown());
+    }
+
     #[test]
     fn the_fast_read_answers_the_common_body_as_the_full_read_does() {
         let body = r#"{"choices":[{"finish_reason":"stop","index":0,"message":{"content":"[sim] You said: \"hi\"\n","role":"assistant"}}],"created":1,"id":"x","model":"m","object":"chat.completion","usage":{"completion_tokens":16,"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0},"total_tokens":25}}"#;

@@ -799,10 +799,15 @@ async fn provider_garbage_truncated_and_no_usage_answers() -> anyhow::Result<()>
     let r = next_result(&mut conn, 3, &w).await;
     assert_eq!(r["status"], "failed", "{r:?}");
     assert!(r["error"].contains("not JSON"), "{r:?}");
+    // CONTRACT.md: reasons of failed results start with a class word.
+    assert!(r["error"].starts_with("provider: m"), "{r:?}");
     assert!(!r["error"].contains('\n'), "one-line reason: {r:?}");
     assert_eq!(r["tried"], "m1,m2,m3", "{r:?}");
     assert_eq!(r["cost_usd"], "0", "{r:?}");
     assert!(!r.contains_key("content"), "{r:?}");
+    // Each was a 200: the provider may have billed it, so its cost is unknown, not 0.
+    let warning = r.get("warning").cloned().unwrap_or_default();
+    assert!(warning.contains("usage"), "{r:?}");
 
     // 4. A 200 without usage: ok, with a warning about the unknown cost.
     sim.sim.set_options(SimOptions {

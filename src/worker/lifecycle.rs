@@ -656,7 +656,10 @@ impl Worker {
                 lock(spent).start_call(&cand.model);
                 plan.record_attempt();
                 let Some(client) = self.providers.get(&cand.provider) else {
-                    break Finished::Failed(format!("provider {} not configured", cand.provider));
+                    break Finished::Failed(format!(
+                        "provider: {} is not configured (fix the model's provider)",
+                        cand.provider
+                    ));
                 };
                 let upstream = self.cfg.upstream_name(&cand.model);
                 lock(spent).trimmed_messages = trimmed.as_ref().map(|(_, n)| *n as u64);
@@ -720,7 +723,13 @@ impl Worker {
                             s.bill.raw_usage.push(raw.clone());
                         }
                     }
-                    if outcome.usage.is_none() && outcome.result.is_ok() {
+                    // A 2xx answer without readable usage (a success, or a body the
+                    // worker cannot read): the provider may have billed it.
+                    let answered_2xx = match &outcome.result {
+                        Ok(_) => true,
+                        Err(e) => e.status.is_some_and(|s| (200..300).contains(&s)),
+                    };
+                    if outcome.usage.is_none() && answered_2xx {
                         s.bill.usage_missing(&cand.model);
                     }
                 }
@@ -772,7 +781,10 @@ impl Worker {
                                 metrics::counter!("llm_worker_fallbacks_total").increment(1);
                             }
                             Decision::Fail => {
-                                break Finished::Failed(format!("{}: {message}", cand.model));
+                                break Finished::Failed(format!(
+                                    "provider: {}: {message}",
+                                    cand.model
+                                ));
                             }
                         }
                     }
