@@ -733,6 +733,30 @@ fn config_dedupe_ttl_s_is_a_duration_in_seconds() {
 }
 
 #[test]
+fn numbers_the_commit_script_passes_as_lua_numbers_are_bounded() {
+    // Lua formats a number >= 1e14 as "1e+14": SET ... EX and XADD MAXLEN ~ then refuse
+    // it after the script's first writes (a second result, costs counted twice).
+    let var = "LLM_WORKER__QUEUE__DEDUPE_TTL_S";
+    let (key, message) = err_key(Config::from_toml_str(
+        DEMO,
+        &env(&[(var, "9300000000000000")]),
+    ));
+    assert_eq!(key, "queue.dedupe_ttl_s", "{message}");
+    assert!(message.contains("at most"), "{message}");
+    let c = Config::from_toml_str(DEMO, &env(&[(var, "315360000")])).expect("ten years");
+    assert_eq!(c.queue.dedupe_ttl_s.as_secs(), 315_360_000);
+    let var = "LLM_WORKER__QUEUE__RESULTS_MAXLEN";
+    let (key, message) = err_key(Config::from_toml_str(
+        DEMO,
+        &env(&[(var, "100000000000000")]),
+    ));
+    assert_eq!(key, "queue.results_maxlen", "{message}");
+    assert!(message.contains("at most"), "{message}");
+    let c = Config::from_toml_str(DEMO, &env(&[(var, "1000000000000")])).expect("10^12");
+    assert_eq!(c.queue.results_maxlen, 1_000_000_000_000);
+}
+
+#[test]
 fn concurrency_absent_is_every_pools_n_plus_an_eighth_read_ahead() {
     let without = DEMO.replacen("concurrency = 16", "", 1);
     let c = Config::from_toml_str(&without, &env(&[])).expect("no concurrency");

@@ -8,6 +8,11 @@ use super::prices::check_price;
 use super::secret::split_redis_url;
 use super::{CLAIM_IDLE_FLOOR, Config, ConfigError, Secret};
 
+/// Largest `queue.dedupe_ttl_s`, in seconds: ten years.
+pub const MAX_DEDUPE_TTL_S: u64 = 315_360_000;
+/// Largest `queue.results_maxlen`: 10^12 entries.
+pub const MAX_RESULTS_MAXLEN: u64 = 1_000_000_000_000;
+
 /// `<hostname>-<pid>`: `$HOSTNAME`, else `/etc/hostname`, else `worker`.
 fn default_consumer(env: &std::collections::HashMap<String, String>) -> String {
     let host = env
@@ -262,10 +267,29 @@ impl Config {
             "queue.dedupe_ttl_s",
             "must be at least 1 second, got 0",
         )?;
+        // lua/commit.lua passes both as Lua numbers, which Lua writes as "1e+14" from
+        // 10^14 on: Redis would refuse the marker's EX or the MAXLEN after the script's
+        // first writes. Far beyond any use: ten years, 10^12 entries.
+        require(
+            q.dedupe_ttl_s.as_secs() <= MAX_DEDUPE_TTL_S,
+            "queue.dedupe_ttl_s",
+            format!(
+                "must be at most {MAX_DEDUPE_TTL_S} (ten years), got {}",
+                q.dedupe_ttl_s.as_secs()
+            ),
+        )?;
         require(
             q.results_maxlen > 0,
             "queue.results_maxlen",
             "must be greater than 0",
+        )?;
+        require(
+            q.results_maxlen <= MAX_RESULTS_MAXLEN,
+            "queue.results_maxlen",
+            format!(
+                "must be at most {MAX_RESULTS_MAXLEN}, got {}",
+                q.results_maxlen
+            ),
         )?;
         require(
             q.max_payload_bytes > 0,

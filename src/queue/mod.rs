@@ -49,9 +49,13 @@ from_cause!(QueueError, QueueError::Redis, redis::RedisError);
 from_cause!(QueueError, QueueError::Pool, deadpool_redis::PoolError);
 
 /// Server error codes that go away by themselves: memory freed under `noeviction`, a
-/// dataset loading, a failover or resharding in progress, a busy script.
+/// dataset loading, a failover or resharding in progress, a busy script, too few
+/// replicas for `min-replicas-to-write` (NOREPLICAS), writes stopped after a failed
+/// background save (MISCONF, lifted by the next good save).
 const HEALING_CODES: &[&str] = &[
     "OOM",
+    "NOREPLICAS",
+    "MISCONF",
     "LOADING",
     "MASTERDOWN",
     "READONLY",
@@ -1420,6 +1424,25 @@ mod debug_hooks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_commit_refused_by_a_passing_server_state_heals() {
+        // What a job's part of a commit.lua reply says when Redis refuses the script's
+        // first write: a state that passes (memory, replicas, a failed save) holds the
+        // result for a retry; only what needs someone to act makes a minimal failed one.
+        let part = |resp: &str| commit_outcome(redis::parse_redis_value(resp.as_bytes()).unwrap());
+        for code in [
+            "-OOM command not allowed when used memory > 'maxmemory'.\r\n",
+            "-NOREPLICAS Not enough good replicas to write.\r\n",
+            "-MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.\r\n",
+            "-READONLY You can't write against a read only replica.\r\n",
+        ] {
+            let e = part(code).expect_err(code);
+            assert!(e.heals(), "{code}: {e}");
+        }
+        let e = part("-WRONGTYPE {llm}:results is a hash, not a stream\r\n").unwrap_err();
+        assert!(!e.heals(), "{e}");
+    }
 
     #[test]
     fn lag_falls_back_to_length_less_pending_when_redis_cannot_tell() {
