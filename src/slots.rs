@@ -943,6 +943,18 @@ impl Lease {
         self.lost.load(Ordering::SeqCst)
     }
 
+    /// True while this lease cannot have lapsed: not found lost, and a script gave it a
+    /// full TTL less than half a TTL ago (taken or renewed: counted from when the script
+    /// was sent). A call starts only on such a lease: one whose acquire reply was read
+    /// late (a paused process, a slow link) may have lapsed, and its key been taken by
+    /// another process, before this process ever saw it.
+    pub fn surely_live(&self) -> bool {
+        !self.is_lost()
+            && lock(&self.inner.held)
+                .get(&self.key)
+                .is_some_and(|h| Arc::ptr_eq(&h.lost, &self.lost) && h.surely_live(self.inner.ttl))
+    }
+
     /// Token-checked release; hands the slot to a waiter if one is queued.
     pub async fn release(mut self) -> Result<(), SlotError> {
         self.done = true;

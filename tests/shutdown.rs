@@ -447,3 +447,45 @@ async fn abort_during_the_slot_release_keeps_the_paid_answer() -> anyhow::Result
     );
     Ok(())
 }
+
+/// Review (drain): no provider call starts after the first signal, even when the signal
+/// comes while the job's last round trip before its call (the quota admission, here held
+/// 1.5 s by a debug hook) is on the wire. Before the fix the call started once the
+/// admission answered: one call and a result after SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_call_starts_after_the_signal_during_the_quota_admission() -> anyhow::Result<()> {
+    let mut s = Setup::new(100, 1, 5000).await?;
+    push(&mut s.conn, "llm", &jobs("admit", 1)).await;
+    let mut w = WorkerProc::spawn(&s.cfg, "w1", &[("LLM_WORKER_DEBUG_SLOW_ADMIT_MS", "1500")]);
+    assert!(
+        wait_log(
+            &w,
+            "debug hook: slowing a quota admission",
+            Duration::from_secs(10)
+        )
+        .await,
+        "the admission runs\n{}",
+        w.log()
+    );
+    w.signal(libc_sig::TERM);
+    let status = wait_exit(&mut w, Duration::from_secs(10)).await;
+    assert!(
+        status.is_some_and(|st| st.success()),
+        "exit 0: {status:?}\n{}",
+        w.log()
+    );
+    assert_eq!(
+        s.sim.sim.stats().calls_per_job.get("admit-0"),
+        None,
+        "no call after the signal\n{}",
+        w.log()
+    );
+    assert_eq!(xlen(&mut s.conn, "{llm}:results").await, 0);
+    // Not lost: still in the stream for the next worker.
+    assert_eq!(xlen(&mut s.conn, "{llm}:jobs").await, 1, "{}", w.log());
+    assert!(
+        slot_keys(&mut s.conn, "llm").await.is_empty(),
+        "no slot key left"
+    );
+    Ok(())
+}

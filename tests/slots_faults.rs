@@ -15,6 +15,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+const T: Duration = Duration::from_secs(30);
+
 type Conn = redis::aio::MultiplexedConnection;
 
 const SLOT0: &str = "{llm}:slot:default:0";
@@ -745,6 +747,8 @@ async fn a_lease_lapsed_before_its_reply_was_read_is_not_handed_on() -> anyhow::
     a.delay_acquire_replies_for_tests(Duration::ZERO);
     let l0 = r0?.expect("slot 0");
     let l1 = r1?.expect("slot 1");
+    // Read 1.3 s after its script ran (ttl 1 s): no call may start on either.
+    assert!(!l0.surely_live() && !l1.surely_live());
     let aa = a.clone();
     let w = tokio::spawn(async move { aa.acquire("default", Duration::from_secs(2)).await });
     tokio::time::sleep(Duration::from_millis(50)).await; // W queued (no free slot)
@@ -755,5 +759,59 @@ async fn a_lease_lapsed_before_its_reply_was_read_is_not_handed_on() -> anyhow::
         let v = slot_value(&mut conn, &format!("{{llm}}:slot:default:{}", l.index())).await;
         panic!("A's waiter got slot {} whose key holds {v:?}", l.index());
     }
+    Ok(())
+}
+
+/// Review (slots): a call never starts on a lease whose acquire reply was read later
+/// than half a TTL after the script ran. Worker A (a debug hook holds each acquire reply
+/// 1.5 s, TTL 1 s) takes the only slot; its key lapses while the reply is held and worker
+/// B takes it and calls. Before the fix A then called too: two calls at once on N=1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_call_starts_on_a_lease_whose_acquire_reply_came_late() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 2000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1;
+    tc.ttl_ms = 1000;
+    tc.concurrency = 1; // each worker holds one job: B's job goes to B
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    let mut a = WorkerProc::spawn(
+        &cfg,
+        "a",
+        &[("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS", "1500")],
+    );
+    push(&mut conn, "llm", &[job("late-a", "a")]).await;
+    assert!(
+        wait_log(&a, "debug hook: slowing an acquire reply", T).await,
+        "A took the slot: {}",
+        a.log()
+    );
+    let mut b = WorkerProc::spawn(&cfg, "b", &[]);
+    push(&mut conn, "llm", &[job("late-b", "b")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&a, &b])?;
+    let results = entries(&mut conn, "{llm}:results").await;
+    assert_all_ok_once(&results, 2);
+    let st = sim.sim.stats();
+    assert_eq!(
+        st.max_in_flight,
+        1,
+        "N=1 held fleet-wide: {st:?}\n{}\n{}",
+        a.log(),
+        b.log()
+    );
+    assert!(
+        a.log()
+            .contains("slot lease may have lapsed before the call"),
+        "A saw its lease stale: {}",
+        a.log()
+    );
+    stop_clean(&mut a, T).await;
+    stop_clean(&mut b, T).await;
     Ok(())
 }

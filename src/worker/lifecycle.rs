@@ -652,6 +652,27 @@ impl Worker {
                     }
                 };
                 limited_since = None;
+                // Checked again just before the call: the round trips since the slot was
+                // taken (the id check, the cap record, the quotas) may have taken long. No
+                // call starts after the first signal, and none on a lease that may have
+                // lapsed (another process may hold its key: N would be exceeded).
+                let draining = self.draining.is_cancelled();
+                if draining || !lease.surely_live() {
+                    if let Some(t) = ticket {
+                        self.settle_detached(t, Some(rust_decimal::Decimal::ZERO), Some(0));
+                    }
+                    if let Some(w) = cap_worst {
+                        self.correct_cap_spent(&d.entry_id, rust_decimal::Decimal::ZERO, w);
+                    }
+                    if draining {
+                        release_unused(lease).await;
+                        return None;
+                    }
+                    tracing::warn!(job = %job.id, model = %cand.model, slot = lease.index(), "slot lease may have lapsed before the call (a late reply, or renewals not answered); taking a slot again");
+                    metrics::counter!("llm_worker_slot_leases_stale_total").increment(1);
+                    release_unused(lease).await;
+                    continue;
+                }
                 let counted_before = lock(spent).counted();
                 lock(spent).start_call(&cand.model);
                 plan.record_attempt();
@@ -1331,6 +1352,8 @@ impl Worker {
     /// script (`gate`; no round trip when nothing covers it). Retries while Redis does not
     /// answer: a call never runs unreserved or unadmitted when a quota covers it.
     async fn admit_quota(&self, job: &job::Job, model: &str) -> Quota {
+        #[cfg(debug_assertions)]
+        debug_hooks::slow_admit().await;
         let Some(mc) = self.cfg.models.get(model) else {
             return Quota::Skip(format!("budget: unknown model {model}"));
         };
@@ -1972,6 +1995,19 @@ pub(super) mod debug_hooks {
             return;
         };
         tracing::warn!(ms, "debug hook: slowing a slot release");
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+
+    /// `LLM_WORKER_DEBUG_SLOW_ADMIT_MS=<ms>`: the quota admission before each call waits
+    /// that long first, as with a Redis that answers slowly just then.
+    pub(super) async fn slow_admit() {
+        let Some(ms) = std::env::var("LLM_WORKER_DEBUG_SLOW_ADMIT_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+        else {
+            return;
+        };
+        tracing::warn!(ms, "debug hook: slowing a quota admission");
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
 
