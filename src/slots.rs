@@ -938,6 +938,10 @@ impl Lease {
     pub fn index(&self) -> u32 {
         self.idx
     }
+    /// The pool this slot belongs to.
+    pub fn pool(&self) -> &str {
+        &self.pool
+    }
     /// True once renewal found the lease expired or taken by someone else.
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)

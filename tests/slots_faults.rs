@@ -781,10 +781,13 @@ async fn no_call_starts_on_a_lease_whose_acquire_reply_came_late() -> anyhow::Re
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "w.toml");
     let mut conn = redis.conn().await;
+    // A provider rpm limit far above the run: an attempt given up before its call must
+    // not stay counted in the window (undone, not settled as a call made).
+    let rpm = ("LLM_WORKER__PROVIDERS__P1__RPM", "1000");
     let mut a = WorkerProc::spawn(
         &cfg,
         "a",
-        &[("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS", "1500")],
+        &[("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS", "1500"), rpm],
     );
     push(&mut conn, "llm", &[job("late-a", "a")]).await;
     assert!(
@@ -792,7 +795,7 @@ async fn no_call_starts_on_a_lease_whose_acquire_reply_came_late() -> anyhow::Re
         "A took the slot: {}",
         a.log()
     );
-    let mut b = WorkerProc::spawn(&cfg, "b", &[]);
+    let mut b = WorkerProc::spawn(&cfg, "b", &[rpm]);
     push(&mut conn, "llm", &[job("late-b", "b")]).await;
     context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&a, &b])?;
     let results = entries(&mut conn, "{llm}:results").await;
@@ -811,6 +814,22 @@ async fn no_call_starts_on_a_lease_whose_acquire_reply_came_late() -> anyhow::Re
         "A saw its lease stale: {}",
         a.log()
     );
+    // Once the rate blocks are settled (within about a second), the provider's window
+    // counts the two calls made, not the attempts given up before their call.
+    let window = "{llm}:rate:p:p1:rpm:w";
+    let settled = wait_for(Duration::from_secs(10), || {
+        let mut c = conn.clone();
+        async move {
+            c.hget::<_, _, Option<u64>>(window, "n")
+                .await
+                .ok()
+                .flatten()
+                == Some(2)
+        }
+    })
+    .await;
+    let n: Option<u64> = conn.hget(window, "n").await?;
+    assert!(settled, "rpm window counts {n:?}, the provider saw 2 calls");
     stop_clean(&mut a, T).await;
     stop_clean(&mut b, T).await;
     Ok(())

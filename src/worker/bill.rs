@@ -48,9 +48,13 @@ impl Bill {
     pub(super) fn usage_missing(&mut self, model: &str) {
         metrics::counter!("llm_worker_usage_missing_total", "model" => model.to_string())
             .increment(1);
-        self.warnings.push(format!(
-            "{model} answered without usage: that call's cost is unknown and counted as 0"
-        ));
+        let w = format!(
+            "{model} answered 2xx without usage it could read: that call's cost is unknown (0 here; budgets and caps count its worst case)"
+        );
+        // Once per model: retries of one model would otherwise crowd out later notes.
+        if !self.warnings.contains(&w) {
+            self.warnings.push(w);
+        }
     }
 
     /// The `{ns}:cost` increments of this job: five per model it called, less those that

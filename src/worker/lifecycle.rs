@@ -658,8 +658,10 @@ impl Worker {
                 // lapsed (another process may hold its key: N would be exceeded).
                 let draining = self.draining.is_cancelled();
                 if draining || !lease.surely_live() {
+                    // Not sent: undone, as if never admitted (a settle would count the
+                    // request in its rate window).
                     if let Some(t) = ticket {
-                        self.settle_detached(t, Some(rust_decimal::Decimal::ZERO), Some(0));
+                        let _ = self.stale_draws(t.draw, t.budget);
                     }
                     if let Some(w) = cap_worst {
                         self.correct_cap_spent(&d.entry_id, rust_decimal::Decimal::ZERO, w);
@@ -668,9 +670,13 @@ impl Worker {
                         release_unused(lease).await;
                         return None;
                     }
-                    tracing::warn!(job = %job.id, model = %cand.model, slot = lease.index(), "slot lease may have lapsed before the call (a late reply, or renewals not answered); taking a slot again");
-                    metrics::counter!("llm_worker_slot_leases_stale_total").increment(1);
+                    tracing::warn!(job = %job.id, model = %cand.model, pool = %lease.pool(), slot = lease.index(), "slot lease may have lapsed before the call (a late reply, or renewals not answered); taking a slot again");
+                    metrics::counter!("llm_worker_slot_leases_stale_total", "pool" => lease.pool().to_string())
+                        .increment(1);
                     release_unused(lease).await;
+                    // Redis answers slowly (its round trips near half a TTL): not at once.
+                    self.unless_draining(tokio::time::sleep(STALE_LEASE_PAUSE))
+                        .await?;
                     continue;
                 }
                 let counted_before = lock(spent).counted();
@@ -1206,6 +1212,10 @@ const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 
 /// Most jobs parked by one budget moved back by one sweep of one worker.
 const UNPARK_MAX: u64 = 100;
+
+/// How long a job waits before taking a slot again after its lease was found possibly
+/// lapsed just before its call (see [`crate::slots::Lease::surely_live`]).
+const STALE_LEASE_PAUSE: Duration = Duration::from_millis(250);
 
 /// How often a job paused by a budget (`on_exhausted = "pause"`) checks it again.
 const BUDGET_PAUSE_POLL: Duration = Duration::from_secs(2);
