@@ -32,10 +32,15 @@ end
 local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[5], 'COUNT', ARGV[6])
 local claimed, counts = {}, {}
 for _, e in ipairs(r[2]) do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1)
-  if #p == 1 then
-    table.insert(claimed, e)
-    table.insert(counts, p[1][4])
+  -- Redis 6.2 lists an entry deleted while pending as nil (false here), leaving it in the
+  -- pending list; Redis 7 reports it in r[3]. Indexing it would fail the whole call after
+  -- XAUTOCLAIM moved the other entries to this consumer.
+  if e then
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], e[1], e[1], 1)
+    if #p == 1 then
+      table.insert(claimed, e)
+      table.insert(counts, p[1][4])
+    end
   end
 end
 local deleted = r[3] or {}

@@ -279,3 +279,118 @@ async fn huge_carried_delivery_count_saturates() -> anyhow::Result<()> {
     assert_eq!(r.deliveries[0].deliveries, u64::MAX);
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// Review: a Redis stall longer than an id's in-progress marker's TTL lets the marker lapse
+// while its worker still calls; a copy of the id must not be claimed then (a second paid
+// call). After a stall the gate is up for claim_idle_ms: a copy finds the id busy, and the
+// worker still running it restores its marker at its next keepalive.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_whose_marker_lapsed_in_a_stall_is_not_claimed_while_the_gate_is_up()
+-> anyhow::Result<()> {
+    use llm_worker::queue::IdClaim;
+    let redis = RedisServer::start();
+    let q = queue_named(&redis, "worker-a", 3000);
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    // Before any stall: a fresh id is claimed.
+    assert!(matches!(
+        q.claim_id("fresh", "1-1").await?,
+        IdClaim::Claimed
+    ));
+    // The fleet heartbeat is 10 s old (Redis answered nobody for 10 s, more than half of
+    // claim_idle_ms); the marker of id "x" lapsed meanwhile.
+    let old = {
+        let t: (String, String) = redis::cmd("TIME").query_async(&mut conn).await?;
+        t.0.parse::<u64>()? * 1000 - 10_000
+    };
+    let _: () = conn.set("{llm}:heartbeat", old).await?;
+    let got = q.claim_id("x", "2-1").await?;
+    assert!(
+        matches!(got, IdClaim::Busy { .. }),
+        "claimed right after a stall: {got:?}"
+    );
+    let marker: Option<String> = conn.get("{llm}:inflight:x").await?;
+    assert_eq!(marker, None, "no marker taken for the copy");
+    // The entry whose marker it is still takes it over (a redelivery of the same entry).
+    let _: () = conn.set("{llm}:inflight:y", "3-1").await?;
+    assert!(matches!(q.claim_id("y", "3-1").await?, IdClaim::Claimed));
+    // Once the gate is down, ids are claimed again.
+    let _: () = conn.del("{llm}:stalled").await?;
+    assert!(matches!(q.claim_id("x", "2-1").await?, IdClaim::Claimed));
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Review: a worker whose keepalive finds a job no longer pending under it (taken over by
+// another worker after a pause, here: XCLAIMed by another consumer) must not call for it
+// if it has not called yet. Before the fix it only logged, then called when its slot came.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_taken_over_before_its_call_is_not_called_here() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 4000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.slots = 1; // job b waits for the slot job a holds
+    tc.concurrency = 2;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "w.toml");
+    let mut conn = redis.conn().await;
+    // claim_idle_ms 6 s: keepalive every 2 s; nobody reclaims b from "thief" in the run.
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "6000")];
+    push(&mut conn, "llm", &[job("take-a", "a")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "w1", &env);
+    assert!(
+        in_flight_at_least(&sim, 1, Duration::from_secs(10)).await,
+        "a calls\n{}",
+        w.log()
+    );
+    let ids = push(&mut conn, "llm", &[job("take-b", "b")]).await;
+    let b = ids[0].clone();
+    // b is read and waits for the slot; then another consumer takes it over.
+    let read = wait_for(Duration::from_secs(5), || {
+        let mut c = conn.clone();
+        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 2 }
+    })
+    .await;
+    assert!(read, "b read by w1\n{}", w.log());
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("thief")
+        .arg(0)
+        .arg(&b)
+        .query_async(&mut conn)
+        .await?;
+    assert!(
+        wait_log(
+            &w,
+            "no longer pending under this worker",
+            Duration::from_secs(5)
+        )
+        .await,
+        "the keepalive saw it\n{}",
+        w.log()
+    );
+    // a's call ends at about 4 s and its slot goes to b's task: which must not call.
+    context(
+        wait_len(&mut conn, "{llm}:results", 1, Duration::from_secs(15)).await,
+        &[&w],
+    )?;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let calls = sim.sim.stats().calls_per_job;
+    assert_eq!(calls.get("take-a"), Some(&1), "{calls:?}");
+    assert_eq!(
+        calls.get("take-b"),
+        None,
+        "b was not called here\n{}",
+        w.log()
+    );
+    stop_clean(&mut w, Duration::from_secs(20)).await;
+    Ok(())
+}

@@ -875,8 +875,11 @@ impl Queue {
             .key(self.keys.done(job_id))
             .key(self.keys.inflight(job_id))
             .key(self.keys.cancel(job_id))
+            .key(format!("{}:heartbeat", self.keys.prefix))
+            .key(format!("{}:stalled", self.keys.prefix))
             .arg(entry_id)
             .arg(self.claim_idle_ms)
+            .arg(self.stall_gap_ms())
             .invoke(&mut conn)
             .await?;
         Ok(match kind.as_str() {

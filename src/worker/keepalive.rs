@@ -32,7 +32,8 @@ impl Worker {
                     // A job that committed since the snapshot is gone too, legitimately.
                     let active = lock(&self.active);
                     for e in gone.iter().filter(|e| active.contains_key(*e)) {
-                        tracing::warn!(entry = %e, "job is no longer pending under this worker (taken over or acknowledged elsewhere); its result will be discarded if another worker commits first");
+                        tracing::warn!(entry = %e, "job is no longer pending under this worker (taken over or acknowledged elsewhere): not called here if it has not called yet; a call already made has its result discarded if another worker commits first");
+                        lock(&self.taken_over).insert(e.clone());
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "keepalive failed; retrying next tick"),

@@ -657,7 +657,8 @@ impl Worker {
                 // call starts after the first signal, and none on a lease that may have
                 // lapsed (another process may hold its key: N would be exceeded).
                 let draining = self.draining.is_cancelled();
-                if draining || !lease.surely_live() {
+                let taken_over = lock(&self.taken_over).contains(&d.entry_id);
+                if draining || taken_over || !lease.surely_live() {
                     // Not sent: undone, as if never admitted (a settle would count the
                     // request in its rate window).
                     if let Some(t) = ticket {
@@ -667,6 +668,14 @@ impl Worker {
                         self.correct_cap_spent(&d.entry_id, rust_decimal::Decimal::ZERO, w);
                     }
                     if draining {
+                        release_unused(lease).await;
+                        return None;
+                    }
+                    if taken_over {
+                        // Another worker owns the entry now: nothing to commit or hand back.
+                        tracing::warn!(entry = %d.entry_id, job = %job.id, "job was taken over by another worker before its call; not calling here");
+                        metrics::counter!("llm_worker_jobs_taken_over_before_call_total")
+                            .increment(1);
                         release_unused(lease).await;
                         return None;
                     }
@@ -1939,6 +1948,7 @@ impl Drop for JobGuard {
             lock(&w.finished).insert(self.entry_id.clone());
         }
         lock(&w.active).remove(&self.entry_id);
+        lock(&w.taken_over).remove(&self.entry_id);
         lock(&w.stops).remove(&self.entry_id);
         drop(lock(&w.permits).remove(&self.entry_id));
         w.state.in_flight.fetch_sub(1, Ordering::SeqCst);

@@ -73,6 +73,10 @@ pub struct Worker {
     /// lost its commit in Redis (a failover to a replica that had not received it, a
     /// restart from an older snapshot) and must run again.
     finished: Mutex<Recent>,
+    /// Entries of `active` the keepalive found no longer pending under this worker (taken
+    /// over by another after a pause, or acknowledged elsewhere): a job not yet calling
+    /// must not call (another worker owns it and may be calling already).
+    taken_over: Mutex<std::collections::HashSet<String>>,
     /// Each running job's stop switch, by entry id: (job id, token). The cancel watcher
     /// ([`keepalive`]) fires the token of a job whose id got a cancel marker; the job's
     /// loop ends on it (or on its `deadline_ms`) with its call aborted. Registered once
@@ -203,6 +207,7 @@ impl Worker {
             state: Arc::new(WorkerState::default()),
             active: Mutex::new(HashMap::new()),
             finished: Mutex::new(Recent::default()),
+            taken_over: Mutex::new(std::collections::HashSet::new()),
             stops: Mutex::new(HashMap::new()),
             permits: Mutex::new(HashMap::new()),
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
