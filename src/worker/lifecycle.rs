@@ -439,6 +439,13 @@ impl Worker {
                     self.cooldowns.remaining(&c.model, &c.provider)
                 };
                 if let Some(left) = cooling {
+                    // About to end (a job back from its own Retry-After wait finds the
+                    // cooldown its 429 set a few ms from its end): wait it out rather than
+                    // move to another model.
+                    if left <= COOLDOWN_NEARLY_OVER {
+                        self.unless_draining(tokio::time::sleep(left)).await?;
+                        continue;
+                    }
                     let alt = plan.usable_alternatives().into_iter().find(|&i| {
                         let c = &plan.candidates()[i];
                         self.cooldowns.remaining(&c.model, &c.provider).is_none()
@@ -1221,6 +1228,9 @@ const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 
 /// Most jobs parked by one budget moved back by one sweep of one worker.
 const UNPARK_MAX: u64 = 100;
+
+/// A shared cooldown this close to its end is waited out, not routed around.
+const COOLDOWN_NEARLY_OVER: Duration = Duration::from_millis(250);
 
 /// How long a job waits before taking a slot again after its lease was found possibly
 /// lapsed just before its call (see [`crate::slots::Lease::surely_live`]).
