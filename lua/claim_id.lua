@@ -1,16 +1,8 @@
 -- Idempotency by job id: decide, in one step, whether this entry may call a model.
--- (Runs after the prelude stall_gate.lua: it beats the fleet heartbeat too.)
 -- KEYS[1] result marker of the id ({ns}:done:<id>, value "<result entry id>|<status>")
 -- KEYS[2] in-progress marker of the id ({ns}:inflight:<id>, value = the job entry id)
 -- KEYS[3] cancel marker of the id ({ns}:cancel:<id>, a string, any value)
--- KEYS[4] fleet heartbeat   KEYS[5] stall gate (see stall_gate.lua)
--- ARGV[1] this job's entry id   ARGV[2] in-progress marker ttl ms (= claim_idle_ms)
--- ARGV[3] heartbeat gap (ms) above which the stall gate is set
---
--- After a stall (the gate is up for claim_idle_ms from when Redis answers again), an id
--- without a marker is not claimed: its marker may have lapsed while Redis did not answer
--- and its worker still calls (a second paid call); that worker's next keepalive (every
--- claim_idle_ms / 3) restores it. A copy finds the id busy and waits.
+-- ARGV[1] this job's entry id   ARGV[2] in-progress marker ttl ms
 -- Returns {'done', marker}: the id already has an `ok` result (acknowledge, no model
 --                           call); a `failed` or `dead` result does not count: the id
 --                           runs again (its commit then replaces that marker);
@@ -20,7 +12,6 @@
 --         {'cancelled', ''}: the id has a cancel marker (and no `ok` result): end it
 --                            `cancelled` with no model call.
 -- Errors: `WRONGTYPE <key> ...` when a marker key holds another type (it will not heal).
-local stalled = stall_gate(KEYS[4], KEYS[5], ARGV[2], ARGV[3])
 for _, k in ipairs({KEYS[1], KEYS[2]}) do
   local t = redis.call('TYPE', k)['ok']
   if t ~= 'none' and t ~= 'string' then
@@ -41,8 +32,8 @@ if type(redis.pcall('GET', KEYS[3])) == 'string' then
   return {'cancelled', ''}
 end
 local cur = redis.call('GET', KEYS[2])
-if cur == ARGV[1] or (not cur and stalled == 0) then
+if (not cur) or cur == ARGV[1] then
   redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
   return {'claimed', ''}
 end
-return {'busy', cur or ''}
+return {'busy', cur}

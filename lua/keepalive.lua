@@ -10,16 +10,19 @@
 --
 -- KEYS[1] jobs stream   KEYS[2] heartbeat (server ms)   KEYS[3] stall gate
 -- KEYS[3 + i] in-progress marker of entry i's job id (a placeholder when it has none)
--- ARGV[1] group   ARGV[2] consumer   ARGV[3] claim_idle_ms (also the marker ttl)
+-- ARGV[1] group   ARGV[2] consumer   ARGV[3] claim_idle_ms
 -- ARGV[4] heartbeat gap (ms) above which the stall gate is set
--- ARGV[3 + 2i], ARGV[4 + 2i]: entry id i, '1' if its job has a producer id (and so an
--- in-progress marker; a job without one, or not parsed yet, has none: never create it)
--- Returns {stalled (1: do not reclaim now), entries no longer ours, entries deleted}.
+-- ARGV[5] in-progress marker ttl ms
+-- ARGV[4 + 2i], ARGV[5 + 2i]: entry id i, '1' if its job claimed its producer id (and so
+-- owns its in-progress marker; a job without one, not parsed yet, or a copy waiting
+-- for another copy of its id, owns none: never create it)
+-- Returns {stalled (1: do not reclaim now), entries no longer ours, entries deleted,
+--          entries pending under another consumer (taken over)}.
 local stalled = stall_gate(KEYS[2], KEYS[3], ARGV[3], ARGV[4])
 
-local gone, deleted = {}, {}
-for i = 1, (#ARGV - 4) / 2 do
-  local id, keyed = ARGV[3 + 2 * i], ARGV[4 + 2 * i] == '1'
+local gone, deleted, taken = {}, {}, {}
+for i = 1, (#ARGV - 5) / 2 do
+  local id, keyed = ARGV[4 + 2 * i], ARGV[5 + 2 * i] == '1'
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
   if #p == 1 and p[1][2] == ARGV[2] then
     if #redis.call('XRANGE', KEYS[1], id, id) == 0 then
@@ -31,13 +34,16 @@ for i = 1, (#ARGV - 4) / 2 do
       local marker = KEYS[3 + i]
       local cur = redis.call('GET', marker)
       if cur == id then
-        redis.call('PEXPIRE', marker, ARGV[3])
+        redis.call('PEXPIRE', marker, ARGV[5])
       elseif not cur then
-        redis.call('SET', marker, id, 'NX', 'PX', ARGV[3])
+        redis.call('SET', marker, id, 'NX', 'PX', ARGV[5])
       end
     end
   else
     table.insert(gone, id)
+    if #p == 1 then
+      table.insert(taken, id)
+    end
   end
 end
-return {stalled, gone, deleted}
+return {stalled, gone, deleted, taken}

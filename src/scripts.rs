@@ -120,6 +120,9 @@ pub static COMMIT: LazyLock<Script> =
 /// One letter pushed again as a job, once (only if it is still there), and deleted.
 pub static REPLAY: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/replay.lua")));
+/// Idempotency by job id: done / claimed / busy.
+pub static CLAIM_ID: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/claim_id.lua")));
 /// Scripts that beat the fleet heartbeat and read the stall gate start with its prelude
 /// (`lua/stall_gate.lua`).
 macro_rules! gated_script {
@@ -127,10 +130,6 @@ macro_rules! gated_script {
         with_prelude!("stall_gate.lua", $file)
     };
 }
-
-/// Idempotency by job id: done / claimed / busy (an id without a marker is busy while
-/// the stall gate is up).
-pub static CLAIM_ID: LazyLock<Script> = gated_script!("claim_id.lua");
 
 /// Fleet heartbeat, stall gate, idle reset of this consumer's running entries.
 pub static KEEPALIVE: LazyLock<Script> = gated_script!("keepalive.lua");

@@ -813,7 +813,17 @@ async fn keepalive_recreates_a_lapsed_in_progress_marker() -> anyhow::Result<()>
     let got: Option<String> = conn.get(&marker).await?;
     assert_eq!(got.as_deref(), Some(ids[0].as_str()), "marker re-created");
     let ttl: i64 = conn.pttl(&marker).await?;
-    assert!(ttl > 0 && ttl <= 3000, "marker ttl {ttl}");
+    // Three times claim_idle_ms (3000): a Redis stall must last over 2.6 x claim_idle_ms
+    // to lapse a marker whose worker still calls.
+    assert!(ttl > 6000 && ttl <= 9000, "marker ttl {ttl}");
+    // The same from the id claim itself.
+    let fresh = a.keys.inflight("fresh-id");
+    assert!(matches!(
+        a.claim_id("fresh-id", "9-1").await?,
+        llm_worker::queue::IdClaim::Claimed
+    ));
+    let ttl: i64 = conn.pttl(&fresh).await?;
+    assert!(ttl > 6000 && ttl <= 9000, "claimed marker ttl {ttl}");
     // Another entry's marker is never overwritten.
     let _: () = conn.set(&marker, "other-entry").await?;
     a.keepalive(&[(ids[0].clone(), "mk-0".to_string())]).await?;

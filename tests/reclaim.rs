@@ -281,48 +281,6 @@ async fn huge_carried_delivery_count_saturates() -> anyhow::Result<()> {
 }
 
 // ---------------------------------------------------------------------------------------
-// Review: a Redis stall longer than an id's in-progress marker's TTL lets the marker lapse
-// while its worker still calls; a copy of the id must not be claimed then (a second paid
-// call). After a stall the gate is up for claim_idle_ms: a copy finds the id busy, and the
-// worker still running it restores its marker at its next keepalive.
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_id_whose_marker_lapsed_in_a_stall_is_not_claimed_while_the_gate_is_up()
--> anyhow::Result<()> {
-    use llm_worker::queue::IdClaim;
-    let redis = RedisServer::start();
-    let q = queue_named(&redis, "worker-a", 3000);
-    let mut conn = redis.conn().await;
-    create_group(&mut conn).await;
-    // Before any stall: a fresh id is claimed.
-    assert!(matches!(
-        q.claim_id("fresh", "1-1").await?,
-        IdClaim::Claimed
-    ));
-    // The fleet heartbeat is 10 s old (Redis answered nobody for 10 s, more than half of
-    // claim_idle_ms); the marker of id "x" lapsed meanwhile.
-    let old = {
-        let t: (String, String) = redis::cmd("TIME").query_async(&mut conn).await?;
-        t.0.parse::<u64>()? * 1000 - 10_000
-    };
-    let _: () = conn.set("{llm}:heartbeat", old).await?;
-    let got = q.claim_id("x", "2-1").await?;
-    assert!(
-        matches!(got, IdClaim::Busy { .. }),
-        "claimed right after a stall: {got:?}"
-    );
-    let marker: Option<String> = conn.get("{llm}:inflight:x").await?;
-    assert_eq!(marker, None, "no marker taken for the copy");
-    // The entry whose marker it is still takes it over (a redelivery of the same entry).
-    let _: () = conn.set("{llm}:inflight:y", "3-1").await?;
-    assert!(matches!(q.claim_id("y", "3-1").await?, IdClaim::Claimed));
-    // Once the gate is down, ids are claimed again.
-    let _: () = conn.del("{llm}:stalled").await?;
-    assert!(matches!(q.claim_id("x", "2-1").await?, IdClaim::Claimed));
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------
 // Review: a worker whose keepalive finds a job no longer pending under it (taken over by
 // another worker after a pause, here: XCLAIMed by another consumer) must not call for it
 // if it has not called yet. Before the fix it only logged, then called when its slot came.
@@ -368,12 +326,7 @@ async fn a_job_taken_over_before_its_call_is_not_called_here() -> anyhow::Result
         .query_async(&mut conn)
         .await?;
     assert!(
-        wait_log(
-            &w,
-            "no longer pending under this worker",
-            Duration::from_secs(5)
-        )
-        .await,
+        wait_log(&w, "taken over by another worker", Duration::from_secs(5)).await,
         "the keepalive saw it\n{}",
         w.log()
     );
@@ -392,5 +345,58 @@ async fn a_job_taken_over_before_its_call_is_not_called_here() -> anyhow::Result
         w.log()
     );
     stop_clean(&mut w, Duration::from_secs(20)).await;
+    Ok(())
+}
+
+/// Review of the above: only an entry pending under another consumer counts as taken
+/// over. One acknowledged elsewhere, or dropped from the pending list after the producer
+/// deleted it (its worker still writes its result through the tombstone), is gone but not
+/// taken: a job waiting for its call must still call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_tells_taken_over_entries_from_acknowledged_or_dropped_ones() -> anyhow::Result<()>
+{
+    let redis = RedisServer::start();
+    let q = queue_named(&redis, "worker-a", 3000);
+    let mut conn = redis.conn().await;
+    create_group(&mut conn).await;
+    let ids = push(
+        &mut conn,
+        "llm",
+        &[idless("t"), idless("k"), idless("d"), idless("o")],
+    )
+    .await;
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("workers")
+        .arg("worker-a")
+        .arg("COUNT")
+        .arg(10)
+        .arg("STREAMS")
+        .arg("{llm}:jobs")
+        .arg(">")
+        .query_async(&mut conn)
+        .await?;
+    // t: taken over by another consumer; k: acknowledged elsewhere; d: deleted by the
+    // producer and dropped from the pending list (XACK stands for XAUTOCLAIM's drop);
+    // o: still ours.
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg("{llm}:jobs")
+        .arg("workers")
+        .arg("thief")
+        .arg(0)
+        .arg(&ids[0])
+        .query_async(&mut conn)
+        .await?;
+    let _: i64 = conn.xack("{llm}:jobs", "workers", &[&ids[1]]).await?;
+    let _: i64 = conn.xdel("{llm}:jobs", &[&ids[2]]).await?;
+    let _: i64 = conn.xack("{llm}:jobs", "workers", &[&ids[2]]).await?;
+    let entries: Vec<(String, String)> = ids.iter().map(|e| (e.clone(), String::new())).collect();
+    let hb = q.keepalive_report(&entries).await?;
+    let mut gone = hb.gone.clone();
+    gone.sort();
+    let mut want = vec![ids[0].clone(), ids[1].clone(), ids[2].clone()];
+    want.sort();
+    assert_eq!(gone, want, "{hb:?}");
+    assert_eq!(hb.taken, vec![ids[0].clone()], "{hb:?}");
     Ok(())
 }

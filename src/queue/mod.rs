@@ -485,6 +485,19 @@ impl Commit {
     }
 }
 
+/// What one keepalive found ([`Queue::keepalive_report`]).
+#[derive(Debug, Default)]
+pub struct Heartbeat {
+    /// Nobody may reclaim now (a Redis stall just ended).
+    pub stalled: bool,
+    /// Entries given that are no longer pending under this consumer.
+    pub gone: Vec<String>,
+    /// Entries given that the producer deleted from the stream (still ours).
+    pub deleted: Vec<String>,
+    /// Of `gone`, those pending under another consumer: taken over.
+    pub taken: Vec<String>,
+}
+
 /// What the idempotency check says about a job id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdClaim {
@@ -875,11 +888,8 @@ impl Queue {
             .key(self.keys.done(job_id))
             .key(self.keys.inflight(job_id))
             .key(self.keys.cancel(job_id))
-            .key(format!("{}:heartbeat", self.keys.prefix))
-            .key(format!("{}:stalled", self.keys.prefix))
             .arg(entry_id)
-            .arg(self.claim_idle_ms)
-            .arg(self.stall_gap_ms())
+            .arg(self.inflight_ttl_ms())
             .invoke(&mut conn)
             .await?;
         Ok(match kind.as_str() {
@@ -924,7 +934,18 @@ impl Queue {
     /// would drop them from the pending list on Redis 7), logged and counted once each
     /// (`llm_worker_jobs_deleted_in_flight_total`); their result is still committed.
     pub async fn keepalive(&self, entries: &[(String, String)]) -> Result<Vec<String>, QueueError> {
-        let (_, gone, deleted) = self.heartbeat(entries).await?;
+        Ok(self.keepalive_report(entries).await?.gone)
+    }
+
+    /// [`Queue::keepalive`], with which of the entries no longer ours are pending under
+    /// another consumer (`taken`: taken over; the others were acknowledged, or dropped
+    /// from the pending list after the producer deleted them).
+    pub async fn keepalive_report(
+        &self,
+        entries: &[(String, String)],
+    ) -> Result<Heartbeat, QueueError> {
+        let hb = self.heartbeat(entries).await?;
+        let deleted = hb.deleted.clone();
         let mut reported = self
             .reported_deleted
             .lock()
@@ -936,14 +957,11 @@ impl Queue {
                 metrics::counter!("llm_worker_jobs_deleted_in_flight_total").increment(1);
             }
         }
-        Ok(gone)
+        Ok(hb)
     }
 
-    /// One call of `lua/keepalive.lua`: (stalled, entries no longer ours, entries deleted).
-    async fn heartbeat(
-        &self,
-        entries: &[(String, String)],
-    ) -> Result<(bool, Vec<String>, Vec<String>), QueueError> {
+    /// One call of `lua/keepalive.lua`.
+    async fn heartbeat(&self, entries: &[(String, String)]) -> Result<Heartbeat, QueueError> {
         let mut inv = crate::scripts::Call::new(&self.keepalive_script);
         inv.key(&self.keys.jobs)
             .key(format!("{}:heartbeat", self.keys.prefix))
@@ -954,15 +972,31 @@ impl Queue {
         inv.arg(&self.group)
             .arg(&self.consumer)
             .arg(self.claim_idle_ms)
-            .arg(self.stall_gap_ms());
+            .arg(self.stall_gap_ms())
+            .arg(self.inflight_ttl_ms());
         for (entry, job_id) in entries {
             inv.arg(entry)
                 .arg(if job_id.is_empty() { "0" } else { "1" });
         }
         let mut conn = self.conn.get().await?;
-        let (stalled, gone, deleted): (i64, Vec<String>, Vec<String>) =
+        let (stalled, gone, deleted, taken): (i64, Vec<String>, Vec<String>, Vec<String>) =
             inv.invoke(&mut conn).await?;
-        Ok((stalled == 1, gone, deleted))
+        Ok(Heartbeat {
+            stalled: stalled == 1,
+            gone,
+            deleted,
+            taken,
+        })
+    }
+
+    /// The in-progress marker's TTL: three times `claim_idle_ms`, extended by each
+    /// keepalive (every third of it). A marker lapses only after its worker is gone for
+    /// that long, or after a Redis stall of over 2.6 x `claim_idle_ms` (Redis expires keys
+    /// by its wall clock): a copy of the id read then would be claimed and called too.
+    /// Its own entry, reclaimed, always takes its marker over, so a longer TTL only makes a
+    /// *copy* of an id whose worker died wait longer.
+    fn inflight_ttl_ms(&self) -> u64 {
+        self.claim_idle_ms.saturating_mul(3)
     }
 
     /// The stall gate's heartbeat gap: claim_idle_ms minus more than the keepalive period

@@ -27,13 +27,20 @@ impl Worker {
                 .iter()
                 .map(|(e, j)| (e.clone(), j.clone()))
                 .collect();
-            match self.queue.keepalive(&entries).await {
-                Ok(gone) => {
+            match self.queue.keepalive_report(&entries).await {
+                Ok(hb) => {
                     // A job that committed since the snapshot is gone too, legitimately.
                     let active = lock(&self.active);
-                    for e in gone.iter().filter(|e| active.contains_key(*e)) {
-                        tracing::warn!(entry = %e, "job is no longer pending under this worker (taken over or acknowledged elsewhere): not called here if it has not called yet; a call already made has its result discarded if another worker commits first");
-                        lock(&self.taken_over).insert(e.clone());
+                    for e in hb.gone.iter().filter(|e| active.contains_key(*e)) {
+                        if hb.taken.contains(e) {
+                            // Pending under another consumer: that worker runs it now.
+                            tracing::warn!(entry = %e, "job was taken over by another worker: not called here if it has not called yet; a call already made has its result discarded if the other worker commits first");
+                            lock(&self.taken_over).insert(e.clone());
+                        } else {
+                            // Acknowledged elsewhere, or dropped from the pending list
+                            // after its deletion (a tombstone lets this worker's result in).
+                            tracing::warn!(entry = %e, "job is no longer pending under this worker (acknowledged elsewhere, or deleted by the producer and dropped); its result is written only if nobody else's was");
+                        }
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "keepalive failed; retrying next tick"),

@@ -222,10 +222,6 @@ impl Worker {
         };
         // Quoted and escaped (Debug): a job id is producer text and may hold newlines.
         tracing::Span::current().record("id", job.id.as_str());
-        if job.keyed {
-            // keepalive extends the id's in-progress marker (none for an id-less job)
-            lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
-        }
         #[cfg(debug_assertions)]
         debug_hooks::maybe_panic(&job.id);
         // Idempotency by id: one model call per id, however many copies are pushed. A job
@@ -237,6 +233,10 @@ impl Worker {
             loop {
                 match self.queue.claim_id(&job.id, &d.entry_id).await {
                     Ok(IdClaim::Claimed) => {
+                        // From now on the keepalive extends (or re-creates) the id's
+                        // in-progress marker. Not before: a copy waiting for another copy
+                        // of its id owns no marker, and must not take one that lapsed.
+                        lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
                         if !self.regain_permit(&d.entry_id).await {
                             return None;
                         }
