@@ -9,7 +9,8 @@
 -- every claim_idle_ms / 3 (with no entries too).
 --
 -- KEYS[1] jobs stream   KEYS[2] heartbeat (server ms)   KEYS[3] stall gate
--- KEYS[3 + i] in-progress marker of entry i's job id (a placeholder when it has none)
+-- KEYS[4] dropped-entry tombstones (lua/reclaim.lua)
+-- KEYS[4 + i] in-progress marker of entry i's job id (a placeholder when it has none)
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] claim_idle_ms
 -- ARGV[4] heartbeat gap (ms) above which the stall gate is set
 -- ARGV[5] in-progress marker ttl ms
@@ -17,7 +18,10 @@
 -- owns its in-progress marker; a job without one, not parsed yet, or a copy waiting
 -- for another copy of its id, owns none: never create it)
 -- Returns {stalled (1: do not reclaim now), entries no longer ours, entries deleted,
---          entries pending under another consumer (taken over)}.
+--          entries taken over: pending under another consumer, or settled or moved by
+--          another worker (not pending, and no tombstone: only a reclaim that found the
+--          entry deleted drops it from the pending list without settling it, and it
+--          leaves a tombstone in the same step)}.
 local stalled = stall_gate(KEYS[2], KEYS[3], ARGV[3], ARGV[4])
 
 local gone, deleted, taken = {}, {}, {}
@@ -31,7 +35,7 @@ for i = 1, (#ARGV - 5) / 2 do
       redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'JUSTID')
     end
     if keyed then
-      local marker = KEYS[3 + i]
+      local marker = KEYS[4 + i]
       local cur = redis.call('GET', marker)
       if cur == id then
         redis.call('PEXPIRE', marker, ARGV[5])
@@ -41,7 +45,7 @@ for i = 1, (#ARGV - 5) / 2 do
     end
   else
     table.insert(gone, id)
-    if #p == 1 then
+    if #p == 1 or not redis.call('ZSCORE', KEYS[4], id) then
       table.insert(taken, id)
     end
   end

@@ -494,7 +494,8 @@ pub struct Heartbeat {
     pub gone: Vec<String>,
     /// Entries given that the producer deleted from the stream (still ours).
     pub deleted: Vec<String>,
-    /// Of `gone`, those pending under another consumer: taken over.
+    /// Of `gone`, those taken over: pending under another consumer, or settled or moved
+    /// by another worker (not pending and without a dropped-entry tombstone).
     pub taken: Vec<String>,
 }
 
@@ -937,9 +938,10 @@ impl Queue {
         Ok(self.keepalive_report(entries).await?.gone)
     }
 
-    /// [`Queue::keepalive`], with which of the entries no longer ours are pending under
-    /// another consumer (`taken`: taken over; the others were acknowledged, or dropped
-    /// from the pending list after the producer deleted them).
+    /// [`Queue::keepalive`], with which of the entries no longer ours were taken over
+    /// (`taken`: pending under another consumer, or settled or moved by another worker;
+    /// the others were dropped from the pending list after the producer deleted them,
+    /// and this worker's result still goes in through their tombstone).
     pub async fn keepalive_report(
         &self,
         entries: &[(String, String)],
@@ -965,7 +967,8 @@ impl Queue {
         let mut inv = crate::scripts::Call::new(&self.keepalive_script);
         inv.key(&self.keys.jobs)
             .key(format!("{}:heartbeat", self.keys.prefix))
-            .key(format!("{}:stalled", self.keys.prefix));
+            .key(format!("{}:stalled", self.keys.prefix))
+            .key(self.keys.dropped());
         for (_, job_id) in entries {
             inv.key(self.keys.inflight(job_id));
         }

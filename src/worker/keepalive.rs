@@ -23,17 +23,25 @@ impl Worker {
                 _ = tick.tick() => {}
                 _ = stop.cancelled() => return,
             }
-            let entries: Vec<(String, String)> = lock(&self.active)
-                .iter()
-                .map(|(e, j)| (e.clone(), j.clone()))
-                .collect();
+            // A job id only for jobs that claimed it: a copy waiting for another copy of
+            // its id owns no marker and must not re-create one that lapsed.
+            let entries: Vec<(String, String)> = {
+                let claimed = lock(&self.claimed);
+                lock(&self.active)
+                    .iter()
+                    .map(|(e, j)| {
+                        let keyed = claimed.contains(e);
+                        (e.clone(), if keyed { j.clone() } else { String::new() })
+                    })
+                    .collect()
+            };
             match self.queue.keepalive_report(&entries).await {
                 Ok(hb) => {
                     // A job that committed since the snapshot is gone too, legitimately.
                     let active = lock(&self.active);
                     for e in hb.gone.iter().filter(|e| active.contains_key(*e)) {
                         if hb.taken.contains(e) {
-                            // Pending under another consumer: that worker runs it now.
+                            // Another worker runs it now, or already settled it.
                             tracing::warn!(entry = %e, "job was taken over by another worker: not called here if it has not called yet; a call already made has its result discarded if the other worker commits first");
                             lock(&self.taken_over).insert(e.clone());
                         } else {

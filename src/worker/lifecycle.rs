@@ -222,6 +222,11 @@ impl Worker {
         };
         // Quoted and escaped (Debug): a job id is producer text and may hold newlines.
         tracing::Span::current().record("id", job.id.as_str());
+        if job.keyed {
+            // The id, for a hand-back (which releases the id's in-progress marker if it
+            // is this entry's); the keepalive keeps the marker only once it is claimed.
+            lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+        }
         #[cfg(debug_assertions)]
         debug_hooks::maybe_panic(&job.id);
         // Idempotency by id: one model call per id, however many copies are pushed. A job
@@ -236,7 +241,7 @@ impl Worker {
                         // From now on the keepalive extends (or re-creates) the id's
                         // in-progress marker. Not before: a copy waiting for another copy
                         // of its id owns no marker, and must not take one that lapsed.
-                        lock(&self.active).insert(d.entry_id.clone(), job.id.clone());
+                        lock(&self.claimed).insert(d.entry_id.clone());
                         if !self.regain_permit(&d.entry_id).await {
                             return None;
                         }
@@ -1959,6 +1964,7 @@ impl Drop for JobGuard {
         }
         lock(&w.active).remove(&self.entry_id);
         lock(&w.taken_over).remove(&self.entry_id);
+        lock(&w.claimed).remove(&self.entry_id);
         lock(&w.stops).remove(&self.entry_id);
         drop(lock(&w.permits).remove(&self.entry_id));
         w.state.in_flight.fetch_sub(1, Ordering::SeqCst);

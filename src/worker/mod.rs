@@ -77,6 +77,9 @@ pub struct Worker {
     /// over by another after a pause, or acknowledged elsewhere): a job not yet calling
     /// must not call (another worker owns it and may be calling already).
     taken_over: Mutex<std::collections::HashSet<String>>,
+    /// Entries of `active` whose job claimed its producer id (`lua/claim_id.lua`): only
+    /// their in-progress markers are kept by the keepalive.
+    claimed: Mutex<std::collections::HashSet<String>>,
     /// Each running job's stop switch, by entry id: (job id, token). The cancel watcher
     /// ([`keepalive`]) fires the token of a job whose id got a cancel marker; the job's
     /// loop ends on it (or on its `deadline_ms`) with its call aborted. Registered once
@@ -208,6 +211,7 @@ impl Worker {
             active: Mutex::new(HashMap::new()),
             finished: Mutex::new(Recent::default()),
             taken_over: Mutex::new(std::collections::HashSet::new()),
+            claimed: Mutex::new(std::collections::HashSet::new()),
             stops: Mutex::new(HashMap::new()),
             permits: Mutex::new(HashMap::new()),
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
