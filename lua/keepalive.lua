@@ -45,8 +45,20 @@ for i = 1, (#ARGV - 5) / 2 do
     end
   else
     table.insert(gone, id)
-    if #p == 1 or not redis.call('ZSCORE', KEYS[4], id) then
+    if #p == 1 then
       table.insert(taken, id)
+    else
+      -- A tombstone counts until its expiry (its score), as commit.lua reads it; a
+      -- `dropped` key of another type is no evidence either way: not taken, as before.
+      local z = redis.pcall('ZSCORE', KEYS[4], id)
+      if type(z) ~= 'table' then
+        local t = redis.call('TIME')
+        local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+        local until_ms = tonumber(z)
+        if not until_ms or until_ms < now then
+          table.insert(taken, id)
+        end
+      end
     end
   end
 end

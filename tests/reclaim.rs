@@ -406,5 +406,17 @@ async fn keepalive_tells_taken_over_entries_from_acknowledged_or_dropped_ones() 
     let mut want = vec![ids[0].clone(), ids[1].clone()];
     want.sort();
     assert_eq!(taken, want, "{hb:?}");
+    // A tombstone past its expiry (its score, server ms) no longer lets a result in
+    // (commit.lua): the entry counts as taken.
+    let _: i64 = conn.zadd("{llm}:dropped", &ids[2], 1i64).await?;
+    let hb = q.keepalive_report(&entries).await?;
+    assert!(hb.taken.contains(&ids[2]), "{hb:?}");
+    // A `dropped` key of another type (an operator's stray key) does not fail the
+    // keepalive (the others' idle reset and markers must go on): not taken, as before.
+    let _: () = conn.del("{llm}:dropped").await?;
+    let _: () = conn.set("{llm}:dropped", "oops").await?;
+    let hb = q.keepalive_report(&entries).await?;
+    assert!(!hb.taken.contains(&ids[2]), "{hb:?}");
+    assert!(hb.taken.contains(&ids[0]), "{hb:?}");
     Ok(())
 }
