@@ -47,6 +47,16 @@ async fn serve(d: &std::path::Path, name: &str) -> (Server, u16) {
     (server, port)
 }
 
+/// GET `https://127.0.0.1:<port>/` with a new client from the shared settings.
+async fn get(port: u16) -> reqwest::Result<reqwest::Response> {
+    llm_worker::provider::http_client()
+        .timeout(Duration::from_secs(10))
+        .build()?
+        .get(format!("https://127.0.0.1:{port}/"))
+        .send()
+        .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_tls_settings_verify_the_server_certificate() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
@@ -66,26 +76,14 @@ async fn shared_tls_settings_verify_the_server_certificate() -> anyhow::Result<(
     // Two clients, as a provider and its key check make them: both from the shared
     // settings, both speak HTTPS to a server whose CA the store holds.
     for _ in 0..2 {
-        let client = llm_worker::provider::http_client()
-            .timeout(Duration::from_secs(10))
-            .build()?;
-        let resp = client
-            .get(format!("https://127.0.0.1:{port}/"))
-            .send()
-            .await?;
+        let resp = get(port).await?;
         assert_eq!(resp.status(), 200, "HTTPS through the shared TLS settings");
     }
 
     // The settings are shared: with the CA file gone, a new client still trusts it (a
     // client that read the store itself would find no CA and fail to build).
     std::fs::remove_file(d.join("trusted.ca.pem"))?;
-    let client = llm_worker::provider::http_client()
-        .timeout(Duration::from_secs(10))
-        .build()?;
-    let resp = client
-        .get(format!("https://127.0.0.1:{port}/"))
-        .send()
-        .await?;
+    let resp = get(port).await?;
     assert_eq!(
         resp.status(),
         200,
@@ -93,12 +91,7 @@ async fn shared_tls_settings_verify_the_server_certificate() -> anyhow::Result<(
     );
 
     // A certificate from a CA the store does not hold is refused: verification is on.
-    let client = llm_worker::provider::http_client()
-        .timeout(Duration::from_secs(10))
-        .build()?;
-    let err = client
-        .get(format!("https://127.0.0.1:{stranger_port}/"))
-        .send()
+    let err = get(stranger_port)
         .await
         .expect_err("a server certificate from an unknown CA must be refused");
     let chain = format!("{:?}", anyhow::Error::new(err));

@@ -947,18 +947,18 @@ impl Queue {
         entries: &[(String, String)],
     ) -> Result<Heartbeat, QueueError> {
         let hb = self.heartbeat(entries).await?;
-        let deleted = hb.deleted.clone();
         let mut reported = self
             .reported_deleted
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         reported.retain(|e| entries.iter().any(|(x, _)| x == e));
-        for e in deleted {
+        for e in &hb.deleted {
             if reported.insert(e.clone()) {
                 tracing::warn!(entry = %e, "job entry was deleted from the stream by the producer while running; not kept alive, its result is still written");
                 metrics::counter!("llm_worker_jobs_deleted_in_flight_total").increment(1);
             }
         }
+        drop(reported);
         Ok(hb)
     }
 

@@ -671,10 +671,8 @@ impl Worker {
                 let draining = self.draining.is_cancelled();
                 let taken_over = lock(&self.taken_over).contains(&d.entry_id);
                 if draining || taken_over || !lease.surely_live() {
-                    // Not sent: undone, as if never admitted (a settle would count the
-                    // request in its rate window).
                     if let Some(t) = ticket {
-                        let _ = self.stale_draws(t.draw, t.budget);
+                        self.undo_draws(t.draw, t.budget);
                     }
                     if let Some(w) = cap_worst {
                         self.correct_cap_spent(&d.entry_id, rust_decimal::Decimal::ZERO, w);
@@ -1649,13 +1647,23 @@ impl Worker {
         draw: Option<crate::ratelimit::Draw>,
         bdraw: Option<crate::budget::blocks::Draw>,
     ) -> Quota {
+        self.undo_draws(draw, bdraw);
+        Quota::Again
+    }
+
+    /// Gives back the draws of a call that was never sent, as if never admitted (a settle
+    /// would count the request in its rate window).
+    fn undo_draws(
+        &self,
+        draw: Option<crate::ratelimit::Draw>,
+        bdraw: Option<crate::budget::blocks::Draw>,
+    ) {
         if let Some(d) = draw {
             self.settle_blocks(self.rate_blocks.undo(d));
         }
         if let Some(d) = bdraw {
             self.settle_budget_blocks(self.budget_blocks.undo(d));
         }
-        Quota::Again
     }
 
     /// Settles a call's ticket in a task of its own (tracked like slot releases, so a
