@@ -160,6 +160,7 @@ pub async fn run(
     tracing::info!(
         consumer = %cfg.queue.consumer,
         concurrency = cfg.worker.concurrency(),
+        read_ahead = cfg.worker.read_ahead(),
         pools = ?cfg.pools.keys().map(|p| (p.clone(), slots.pool_size(p).unwrap_or(0))).collect::<Vec<_>>(),
         "worker started"
     );

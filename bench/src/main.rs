@@ -443,7 +443,7 @@ async fn main() -> anyhow::Result<()> {
             rep.push(
                 Row::new(
                     "c",
-                    &format!("slot use, 200 ms, N={n}, default concurrency (N + N/8; peer C={n})"),
+                    &format!("slot use, 200 ms, N={n}, default concurrency (C = N, read-ahead N/4; peer C={n})"),
                     ">= 0.99",
                 )
                 .vals(val(&l, slot), val(&p, slot)),

@@ -107,11 +107,18 @@ pub struct QueueConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerConfig {
-    /// Jobs in flight in this process. Absent = every pool's slots (N) summed plus an
-    /// eighth of that (at least 1) read ahead, so a job is waiting when a slot frees
-    /// (filled in by validation; see [`WorkerConfig::concurrency`]).
+    /// Jobs worked on at once in this process, from the parse to the decision (a result
+    /// to commit, or a hand-back). Absent = every pool's slots (N) summed (filled in by
+    /// validation; see [`WorkerConfig::concurrency`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<NonZeroUsize>,
+    /// Entries this process may hold beyond `concurrency`: read ahead and waiting for a
+    /// job to end (so the next job starts the moment one ends, without a read on the
+    /// way), or decided and committing. Absent = a quarter of `concurrency`, at least 1
+    /// (filled in by validation). 0 = read only for a free place (and a job's place
+    /// frees only at its commit's reply).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_ahead: Option<usize>,
     /// After the first signal, running calls get this long before they are cancelled
     /// (and their jobs handed back).
     #[serde(with = "super::duration_ms")]
@@ -267,6 +274,13 @@ impl WorkerConfig {
     pub fn concurrency(&self) -> usize {
         self.concurrency.map_or(32, NonZeroUsize::get)
     }
+
+    /// Entries held beyond `concurrency` (after validation, the configured or the derived
+    /// value).
+    pub fn read_ahead(&self) -> usize {
+        self.read_ahead
+            .unwrap_or_else(|| (self.concurrency() / 4).max(1))
+    }
 }
 
 impl Default for RedisConfig {
@@ -309,6 +323,7 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
             concurrency: None,
+            read_ahead: None,
             shutdown_grace_ms: Duration::from_millis(25_000),
             threads: 1,
         }

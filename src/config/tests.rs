@@ -757,18 +757,28 @@ fn numbers_the_commit_script_passes_as_lua_numbers_are_bounded() {
 }
 
 #[test]
-fn concurrency_absent_is_every_pools_n_plus_an_eighth_read_ahead() {
+fn concurrency_absent_is_every_pools_n_and_read_ahead_a_quarter_of_it() {
     let without = DEMO.replacen("concurrency = 16", "", 1);
     let c = Config::from_toml_str(&without, &env(&[])).expect("no concurrency");
-    // demo.toml: one pool of 4 slots -> 4 + max(1, 4 / 8)
-    assert_eq!(c.worker.concurrency(), 5);
+    // demo.toml: one pool of 4 slots -> 4, and max(1, 4 / 4) read ahead
+    assert_eq!(c.worker.concurrency(), 4);
+    assert_eq!(c.worker.read_ahead(), 1);
     let big = without.replacen("slots = 4 ", "slots = 64 ", 1);
     let c = Config::from_toml_str(&big, &env(&[])).expect("N = 64");
-    assert_eq!(c.worker.concurrency(), 72);
+    assert_eq!(c.worker.concurrency(), 64);
+    assert_eq!(c.worker.read_ahead(), 16);
     // An explicit value wins, and check-config shows what is used.
     let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo");
     assert_eq!(c.worker.concurrency(), 16);
+    assert_eq!(c.worker.read_ahead(), 4);
     assert!(c.redacted_toml().contains("concurrency = 16\n"));
+    assert!(c.redacted_toml().contains("read_ahead = 4\n"));
+    let var = "LLM_WORKER__WORKER__READ_AHEAD";
+    let c = Config::from_toml_str(DEMO, &env(&[(var, "0")])).expect("no read-ahead");
+    assert_eq!(c.worker.read_ahead(), 0);
+    let (key, message) = err_key(Config::from_toml_str(DEMO, &env(&[(var, "10001")])));
+    assert_eq!(key, "worker.read_ahead", "{message}");
+    assert!(message.contains("10001"), "{message}");
 }
 
 #[test]

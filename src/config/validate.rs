@@ -3,6 +3,8 @@
 
 /// The largest `worker.concurrency` derived from the pools (set it explicitly for more).
 pub const MAX_DERIVED_CONCURRENCY: usize = 1024;
+/// The largest `worker.read_ahead`.
+pub const MAX_READ_AHEAD: usize = 10_000;
 
 use super::prices::check_price;
 use super::secret::split_redis_url;
@@ -79,6 +81,14 @@ impl Config {
         )?;
         self.validate_pools_providers_models()?;
         self.derive_concurrency();
+        require(
+            self.worker.read_ahead() <= MAX_READ_AHEAD,
+            "worker.read_ahead",
+            format!(
+                "is {}; it must be at most {MAX_READ_AHEAD} (entries read ahead are held by this process, away from the rest of the fleet)",
+                self.worker.read_ahead()
+            ),
+        )?;
         self.validate_routes()?;
         self.resolve_api_keys(env)?;
         Ok(())
@@ -310,16 +320,19 @@ impl Config {
         Ok(())
     }
 
-    /// `worker.concurrency` when absent: N of every pool plus an eighth read ahead, at
-    /// most [`MAX_DERIVED_CONCURRENCY`]. Per process: a fleet of P workers reads up to
-    /// P times that ahead (jobs waiting for a slot stay pending under their worker).
+    /// `worker.concurrency` when absent: N of every pool, at most
+    /// [`MAX_DERIVED_CONCURRENCY`]; `worker.read_ahead` when absent: a quarter of that, at
+    /// least 1. Per process: a fleet of P workers holds up to P times the read-ahead
+    /// (entries read ahead stay pending under their worker, kept alive by it).
     fn derive_concurrency(&mut self) {
         if self.worker.concurrency.is_none() {
             let n: usize = self.pools.values().map(|p| p.slots.get() as usize).sum();
             let n = n.max(1);
             // Capped: a huge pool must not make one process read the whole backlog.
-            self.worker.concurrency =
-                std::num::NonZeroUsize::new((n + (n / 8).max(1)).min(MAX_DERIVED_CONCURRENCY));
+            self.worker.concurrency = std::num::NonZeroUsize::new(n.min(MAX_DERIVED_CONCURRENCY));
+        }
+        if self.worker.read_ahead.is_none() {
+            self.worker.read_ahead = Some(self.worker.read_ahead());
         }
     }
 

@@ -60,6 +60,9 @@ impl Worker {
         }
         match commit {
             Some(commit) => {
+                // Decided: the next job (read ahead) starts now, while this one commits
+                // (its read permit, held to the end, bounds the results held).
+                drop(lock(&self.permits).remove(&d.entry_id));
                 let settled = Box::pin(self.commit_until_written(&d, commit, &abort)).await;
                 if settled && lock(&spent).cap_recorded {
                     self.drop_cap_spent(&d.entry_id);
@@ -143,11 +146,19 @@ impl Worker {
         let first = since.is_none();
         let since = *since.get_or_insert_with(tokio::time::Instant::now);
         if first {
-            let waiting = lock(&self.active)
-                .len()
-                .saturating_sub(lock(&self.permits).len());
+            // Copies waiting so: tasks holding neither permit (one read ahead holds its
+            // read permit; a copy working again after its wait, its job permit).
+            let waiting = {
+                let active = lock(&self.active);
+                let (reads, jobs) = (lock(&self.read_permits), lock(&self.permits));
+                active
+                    .keys()
+                    .filter(|e| !reads.contains_key(*e) && !jobs.contains_key(*e))
+                    .count()
+            };
             if waiting < self.cfg.worker.concurrency() {
                 drop(lock(&self.permits).remove(entry_id));
+                drop(lock(&self.read_permits).remove(entry_id));
             }
         }
         if since.elapsed() >= self.cfg.queue.claim_idle_ms {
@@ -161,18 +172,20 @@ impl Worker {
         }
     }
 
-    /// A job permit for a copy that gave its permit back while waiting and may now call a
-    /// model. `false` when draining began first.
-    pub(super) async fn regain_permit(&self, entry_id: &str) -> bool {
+    /// A job permit for a task read ahead (none was free at its read) or for a copy that
+    /// gave its permit back while waiting and may now call a model, in the order they
+    /// asked. `None` when draining began first; else how long it waited.
+    pub(super) async fn regain_permit(&self, entry_id: &str) -> Option<Duration> {
         if lock(&self.permits).contains_key(entry_id) {
-            return true;
+            return Some(Duration::ZERO);
         }
+        let began = Instant::now();
         let permit = tokio::select! {
-            p = self.sem.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return false },
-            _ = self.draining.cancelled() => return false,
+            p = self.sem.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return None },
+            _ = self.draining.cancelled() => return None,
         };
         lock(&self.permits).insert(entry_id.to_string(), permit);
-        true
+        Some(began.elapsed())
     }
 
     /// Everything between reading a job and its commit. `None`: leave the job pending.
@@ -185,6 +198,10 @@ impl Worker {
         spent: &Mutex<Spent>,
         on_wire: &OnWire,
     ) -> Option<Commit> {
+        // A task read ahead waits here for a job to end. Its cancel marker was read with
+        // the entry; after a long wait it is read again (below) before any call.
+        let waited = self.regain_permit(&d.entry_id).await?;
+        let cancel_known = d.cancel_checked && waited < CANCEL_CHECK_FRESH;
         if let Some(reason) = &d.malformed {
             tracing::warn!(entry = %d.entry_id, %reason, "invalid job entry; dead-lettered");
             let id = job::salvage_id(d.payload.as_deref());
@@ -242,9 +259,7 @@ impl Worker {
                         // in-progress marker. Not before: a copy waiting for another copy
                         // of its id owns no marker, and must not take one that lapsed.
                         lock(&self.claimed).insert(d.entry_id.clone());
-                        if !self.regain_permit(&d.entry_id).await {
-                            return None;
-                        }
+                        self.regain_permit(&d.entry_id).await?;
                         break;
                     }
                     Ok(IdClaim::Done { result_id, status }) => {
@@ -329,7 +344,7 @@ impl Worker {
         let stop = CancellationToken::new();
         lock(&self.stops).insert(d.entry_id.clone(), (job.id.clone(), stop.clone()));
         if !job.keyed {
-            let cancelled = if d.cancel_checked {
+            let cancelled = if cancel_known {
                 d.cancelled
             } else {
                 let ids = [job.id.as_str()];
@@ -1227,6 +1242,12 @@ fn within_cap(
 }
 
 /// How long a budget settle is retried while Redis does not answer.
+/// A cancel marker read with the entry still counts before its call if the job waited
+/// less than this for its job permit (read ahead); after a longer wait it is read again,
+/// so a cancel set meanwhile stops the job before any call (the cancel watcher covers
+/// the jobs already past their parse, every `CANCEL_POLL`).
+const CANCEL_CHECK_FRESH: Duration = Duration::from_millis(100);
+
 const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 
 /// Most jobs parked by one budget moved back by one sweep of one worker.
@@ -1975,6 +1996,7 @@ impl Drop for JobGuard {
         lock(&w.claimed).remove(&self.entry_id);
         lock(&w.stops).remove(&self.entry_id);
         drop(lock(&w.permits).remove(&self.entry_id));
+        drop(lock(&w.read_permits).remove(&self.entry_id));
         w.state.in_flight.fetch_sub(1, Ordering::SeqCst);
         metrics::gauge!("llm_worker_jobs_in_flight").decrement(1.0);
         if !self.ended {

@@ -5,8 +5,10 @@
 //! ours); this file holds the `Worker`.
 //!
 //! Invariants:
-//! - never more jobs read than there are free job permits (back-pressure: a job is read
-//!   only when a task can start on it at once);
+//! - never more jobs read than there are free read permits (`worker.concurrency +
+//!   worker.read_ahead`, back-pressure); at most `worker.concurrency` jobs are worked on
+//!   (a job permit from the parse to the decision), the rest wait for one, read ahead,
+//!   or commit;
 //! - a job is acknowledged with its result ([`Queue::commit`]), or without one only when
 //!   it moves on: handed back as a new entry ([`Queue::hand_back`]) or found deleted from
 //!   the stream while pending ([`Queue::reclaim`]);
@@ -85,11 +87,20 @@ pub struct Worker {
     /// loop ends on it (or on its `deadline_ms`) with its call aborted. Registered once
     /// the payload is parsed, removed by the [`JobGuard`].
     stops: Mutex<HashMap<String, (String, CancellationToken)>>,
-    /// The job permit of each running task, by entry id. A copy of a busy job id gives
-    /// its permit back while it waits (`wait_for_busy_id`); the guard drops the rest.
+    /// The job permit of each task being worked on, by entry id: taken before the parse
+    /// (a task read ahead waits for one), given back at the decision (so the next job
+    /// starts while this one commits), or by a copy of a busy job id while it waits
+    /// (`wait_for_busy_id`); the guard drops the rest.
     permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
-    /// At most `worker.concurrency` job tasks hold a permit.
+    /// At most `worker.concurrency` job tasks hold a job permit.
     sem: Arc<Semaphore>,
+    /// The read permit of each task, by entry id, from its read to its end (commit
+    /// included): the reader reads only for a free one. A copy of a busy job id gives
+    /// it back while it waits, as it does its job permit.
+    read_permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
+    /// `worker.concurrency + worker.read_ahead` read permits: entries this process holds
+    /// (worked on, read ahead and waiting, or committing), copies of busy ids aside.
+    read_sem: Arc<Semaphore>,
     /// Fired on the first signal (mirrors `run`'s `stop`): no job starts a provider call
     /// after it; jobs not yet calling give up and are handed back.
     draining: CancellationToken,
@@ -174,6 +185,7 @@ impl Worker {
             tenants,
         } = quotas;
         let cfg_concurrency = cfg.worker.concurrency();
+        let cfg_read_ahead = cfg.worker.read_ahead();
         let cfg_models: Vec<String> = cfg.models.keys().cloned().collect();
         let mut providers = HashMap::new();
         for (name, p) in &cfg.providers {
@@ -215,6 +227,8 @@ impl Worker {
             stops: Mutex::new(HashMap::new()),
             permits: Mutex::new(HashMap::new()),
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
+            read_permits: Mutex::new(HashMap::new()),
+            read_sem: Arc::new(Semaphore::new(cfg_concurrency + cfg_read_ahead)),
             draining: CancellationToken::new(),
             reader_stopped: CancellationToken::new(),
             warned_client_id: std::sync::atomic::AtomicBool::new(false),

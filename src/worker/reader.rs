@@ -1,7 +1,7 @@
 //! The reader: XAUTOCLAIM of stalled entries, XREADGROUP of new ones (only as many as
-//! there are free job permits), one task per job; the sweep of idle empty consumers.
+//! there are free read permits), one task per job; the sweep of idle empty consumers.
 //!
-//! Invariant: never more jobs read than there are free job permits, and never a second
+//! Invariant: never more jobs read than there are free read permits, and never a second
 //! task for an entry this process already runs.
 
 use crate::connect::blocking_connection;
@@ -23,7 +23,7 @@ impl Worker {
     /// it after the grace period); tasks not yet calling (waiting for a slot, the rate
     /// limit, a busy id, or in a retry backoff) stop at once. Both hand their jobs back.
     pub async fn run(self: Arc<Self>, stop: CancellationToken, abort: CancellationToken) {
-        let sem = self.sem.clone();
+        let sem = self.read_sem.clone();
         let tracker = TaskTracker::new();
         let draining = self.draining.clone();
         let stop_watch = stop.clone();
@@ -236,8 +236,11 @@ impl Worker {
         }
     }
 
-    /// Starts a task on `d`. The entry joins `active` now (so a reclaim of it is skipped
-    /// while the task lives), and its [`JobGuard`] undoes everything on any exit.
+    /// Starts a task on `d`, holding `permit` (a read permit) to its end; it takes a job
+    /// permit now if one is free, else it waits for one (read ahead) before its parse.
+    /// The entry joins `active` now (so a reclaim of it is skipped and the keepalive keeps
+    /// it ours while the task lives, waiting included), and its [`JobGuard`] undoes
+    /// everything on any exit.
     pub(super) fn spawn_job(
         self: &Arc<Self>,
         tracker: &TaskTracker,
@@ -246,7 +249,10 @@ impl Worker {
         abort: &CancellationToken,
     ) {
         lock(&self.active).insert(d.entry_id.clone(), String::new());
-        lock(&self.permits).insert(d.entry_id.clone(), permit);
+        lock(&self.read_permits).insert(d.entry_id.clone(), permit);
+        if let Ok(p) = self.sem.clone().try_acquire_owned() {
+            lock(&self.permits).insert(d.entry_id.clone(), p);
+        }
         self.state.in_flight.fetch_add(1, Ordering::SeqCst);
         metrics::gauge!("llm_worker_jobs_in_flight").increment(1.0);
         let guard = JobGuard {

@@ -259,6 +259,9 @@ pub struct TestConfig {
     pub namespace: String,
     pub slots: u32,
     pub concurrency: usize,
+    /// `worker.read_ahead`: 0 here (tests count the entries a worker holds), unlike the
+    /// daemon's default (a quarter of `concurrency`).
+    pub read_ahead: usize,
     pub ttl_ms: u64,
     pub grace_ms: u64,
     pub listen: String,
@@ -292,6 +295,7 @@ block_ms = 200
 
 [worker]
 concurrency = {conc}
+read_ahead = {read_ahead}
 shutdown_grace_ms = {grace}
 
 [server]
@@ -352,6 +356,7 @@ max_retry_after_ms = 2000
             redis_extra = self.redis_extra,
             ns = self.namespace,
             conc = self.concurrency,
+            read_ahead = self.read_ahead,
             grace = self.grace_ms,
             listen = self.listen,
             ttl = self.ttl_ms,
@@ -374,6 +379,7 @@ max_retry_after_ms = 2000
             namespace: "llm".into(),
             slots: 4,
             concurrency: 16,
+            read_ahead: 0,
             ttl_ms: 3000,
             grace_ms: 3000,
             listen: String::new(),

@@ -1,0 +1,225 @@
+//! `worker.read_ahead` (issue 9: a job waiting when a place frees), on the real binary,
+//! a real redis-server and the simulated provider: a worker holds up to `concurrency +
+//! read_ahead` entries but works on (and calls for) at most `concurrency`; the entries
+//! read ahead are kept ours while they wait, handed back untouched at a signal, and a
+//! cancel set while one waits stops it before any call.
+
+mod common;
+
+use common::*;
+use llm_worker::sim::SimOptions;
+use redis::AsyncCommands;
+use std::path::PathBuf;
+use std::time::Duration;
+
+type Conn = redis::aio::MultiplexedConnection;
+
+struct Bed {
+    conn: Conn,
+    cfg: PathBuf,
+    sim: SimHandle,
+    _dir: tempfile::TempDir,
+    _redis: RedisServer,
+}
+
+impl Bed {
+    /// Calls of `latency_ms`, `concurrency` and `read_ahead` as given, 8 slots.
+    async fn new(latency_ms: u64, concurrency: usize, read_ahead: usize) -> anyhow::Result<Bed> {
+        let redis = RedisServer::start();
+        let sim = SimHandle::start(SimOptions {
+            latency_ms,
+            ..SimOptions::default()
+        })
+        .await;
+        let mut tc = TestConfig::new(&redis, &sim);
+        tc.slots = 8;
+        tc.concurrency = concurrency;
+        tc.read_ahead = read_ahead;
+        tc.grace_ms = 8000;
+        let dir = tempfile::tempdir()?;
+        let cfg = tc.write(dir.path(), "w.toml");
+        let conn = redis.conn().await;
+        Ok(Bed {
+            conn,
+            cfg,
+            sim,
+            _dir: dir,
+            _redis: redis,
+        })
+    }
+
+    fn total_calls(&self) -> u64 {
+        self.sim.sim.stats().calls_per_job.values().sum()
+    }
+
+    /// Waits until the worker holds `pending` entries with `calling` calls running.
+    async fn wait_held(&self, pending: i64, calling: u64) -> bool {
+        wait_for(Duration::from_secs(10), || {
+            let mut c = self.conn.clone();
+            let sim = self.sim.sim.clone();
+            async move {
+                sim.stats().in_flight == calling
+                    && pending_count(&mut c, "{llm}:jobs", "workers").await == pending
+            }
+        })
+        .await
+    }
+}
+
+/// Concurrency 2, read-ahead 3, 8 slots, calls of 600 ms, 10 jobs: the worker holds 5
+/// entries while 2 calls run (never more calls than `concurrency`, though slots are free),
+/// and every job ends `ok` once with one call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_concurrency_plus_read_ahead_and_calls_at_most_concurrency() -> anyhow::Result<()> {
+    let mut bed = Bed::new(600, 2, 3).await?;
+    push(&mut bed.conn, "llm", &jobs("job", 10)).await;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        bed.wait_held(5, 2).await,
+        "5 entries held (2 calling, 3 read ahead)\n{}",
+        w.log()
+    );
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 10, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    assert_all_ok_once(&entries(&mut bed.conn, "{llm}:results").await, 10);
+    let stats = bed.sim.sim.stats();
+    assert_eq!(
+        stats.max_in_flight, 2,
+        "at most `concurrency` calls at once"
+    );
+    assert_eq!(bed.total_calls(), 10, "one call per job");
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// SIGTERM while 2 calls run and 3 entries wait, read ahead: the 2 calls finish and are
+/// written, the 3 waiting jobs are handed back without a call (a delivery that started
+/// no call is not counted), nothing stays pending, and a second worker does them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_hands_back_the_entries_read_ahead_without_a_call() -> anyhow::Result<()> {
+    let mut bed = Bed::new(1000, 2, 3).await?;
+    push(&mut bed.conn, "llm", &jobs("job", 8)).await;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        bed.wait_held(5, 2).await,
+        "5 entries held (2 calling, 3 read ahead)\n{}",
+        w.log()
+    );
+    w.signal(libc_sig::TERM);
+    let status = wait_exit(&mut w, Duration::from_secs(10)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean exit 0: {status:?}\n{}",
+        w.log()
+    );
+    assert_eq!(bed.total_calls(), 2, "no call for the jobs read ahead");
+    assert_eq!(ok_results_once(&mut bed.conn).await.len(), 2);
+    assert_eq!(
+        pending_count(&mut bed.conn, "{llm}:jobs", "workers").await,
+        0,
+        "nothing left pending"
+    );
+    assert_eq!(
+        xlen(&mut bed.conn, "{llm}:jobs").await,
+        6,
+        "3 jobs handed back, 3 never read"
+    );
+    let handed = entries_raw(&mut bed.conn, "{llm}:jobs").await;
+    let backs: Vec<_> = handed
+        .iter()
+        .filter_map(|(_, f)| f.get("_deliveries"))
+        .collect();
+    assert_eq!(backs.len(), 3, "{handed:?}");
+    for d in &backs {
+        assert_eq!(
+            d.as_slice(),
+            b"0",
+            "a delivery without a call is not counted: {handed:?}"
+        );
+    }
+    let mut w2 = WorkerProc::spawn(&bed.cfg, "w2", &[]);
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 8, Duration::from_secs(20)).await,
+        &[&w2],
+    )?;
+    assert_all_ok_once(&entries(&mut bed.conn, "{llm}:results").await, 8);
+    assert_eq!(bed.total_calls(), 8, "one call per job across both workers");
+    stop_clean(&mut w2, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Concurrency 1, read-ahead 1, calls of 1.5 s: a job without an id waits, read ahead
+/// (its cancel marker read with it: none). A cancel set while it waits must stop it with
+/// no call: the marker is read again when the wait was long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_set_while_a_job_waits_read_ahead_stops_it_before_any_call() -> anyhow::Result<()>
+{
+    let mut bed = Bed::new(1500, 1, 1).await?;
+    let first = job("first", "hi");
+    let idless =
+        serde_json::json!({"messages": [{"role": "user", "content": "later"}]}).to_string();
+    push(&mut bed.conn, "llm", &[first]).await;
+    let later: String = bed
+        .conn
+        .xadd("{llm}:jobs", "*", &[("payload", idless.as_str())])
+        .await?;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        bed.wait_held(2, 1).await,
+        "the id-less job read ahead while the first calls\n{}",
+        w.log()
+    );
+    let _: () = bed
+        .conn
+        .set_ex(format!("{{llm}}:cancel:{later}"), 1, 60)
+        .await?;
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 2, Duration::from_secs(10)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    let r = results
+        .iter()
+        .map(|(_, r)| r)
+        .find(|r| r["job_id"] == later)
+        .expect("a result for the id-less job");
+    assert_eq!(r["status"], "cancelled", "{r:?}");
+    assert_eq!(bed.total_calls(), 1, "no call for the cancelled job");
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Concurrency 1, read-ahead 1, calls of 2 s, `claim_idle_ms` 600: the entry read ahead
+/// waits past `claim_idle_ms`; its worker's keepalive keeps it, so a second worker never
+/// takes it over, and each job is called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_read_ahead_is_kept_ours_while_it_waits() -> anyhow::Result<()> {
+    let mut bed = Bed::new(2000, 1, 1).await?;
+    push(&mut bed.conn, "llm", &jobs("job", 2)).await;
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "600")];
+    let mut w1 = WorkerProc::spawn(&bed.cfg, "w1", &env);
+    assert!(
+        bed.wait_held(2, 1).await,
+        "one calling, one read ahead\n{}",
+        w1.log()
+    );
+    let mut w2 = WorkerProc::spawn(&bed.cfg, "w2", &env);
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 2, Duration::from_secs(15)).await,
+        &[&w1, &w2],
+    )?;
+    assert_all_ok_once(&entries(&mut bed.conn, "{llm}:results").await, 2);
+    assert_eq!(bed.total_calls(), 2, "one call per job");
+    let stats = bed.sim.sim.stats();
+    assert_eq!(
+        stats.max_in_flight,
+        1,
+        "the entry read ahead was not taken over while it waited\n{}",
+        logs_tail(&[&w1, &w2], 40)
+    );
+    stop_clean(&mut w1, Duration::from_secs(6)).await;
+    stop_clean(&mut w2, Duration::from_secs(6)).await;
+    Ok(())
+}
