@@ -10,7 +10,8 @@
 -- ARGV[4] hand-off lease ms   ARGV[5] stall gap ms   ARGV[6] waiter liveness ttl ms
 -- ARGV[7] how many entries a hand-off stream keeps (approximately, MAXLEN ~)
 -- ARGV[8..] for each group: count c, w = how many local waiters of this process want a
---         slot of the pool, prefix of the values of slots kept for them, then c pairs:
+--         slot of the pool, prefix of the values of slots kept for them, m = how many
+--         other slots of the pool this process holds, n = the pool's N, then c pairs:
 --         slot index, the value of the lease released (release-all: any value of this
 --         process, `<token>` or `<token>#...`)
 --
@@ -32,12 +33,21 @@
 -- (ZADD with the time now, liveness refreshed) if more of its waiters still want a slot,
 -- so the next release goes to the next process in the queue (round robin). The caller
 -- holds the pool's queue lock while this runs (w is its waiters under that lock).
+-- Fair share: a slot is kept the same way, whoever heads the queue, while this process
+-- would hold no more than its share, floor(n / (processes in the queue other than this
+-- one + 1)): processes that all want more than their share each keep that many, cycling
+-- among their own jobs, instead of handing every slot round the fleet (a release
+-- script, a hand-off stream entry, an XREAD of every waiting process and a pick-up
+-- script per job); one above its share hands its slots on, FIFO, until it is at it.
 -- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
 -- 1 released, 2 handed off, 3 kept, then per pool group in the order given: how many
 -- other processes are in its waiter queue, plus one if a slot of it was handed to another
--- process less than HANDED_RECENT_MS ago (by this script or any other)} (0 lets the
+-- process less than HANDED_RECENT_MS ago (by this script or any other) that is not in
+-- the queue again yet (0 lets the
 -- caller keep the pool's slots among its own jobs for a moment; see QUIET_FOR in
--- src/slots.rs).
+-- src/slots.rs), then per pool group: this process's fair share of the pool (as
+-- above, after this script), with which the caller keeps slots among its own jobs
+-- for a moment while it holds no more).
 local token = ARGV[1]
 -- How long after a hand-off to another process its receiver counts as waiting (see the
 -- end of the group loop).
@@ -49,15 +59,38 @@ local function matches(v, value)
   end
   return v == value
 end
+-- How many other processes want a slot of the pool: those in its queue q, plus the
+-- receiver of a hand-off to another process in the last HANDED_RECENT_MS (field h of
+-- the lease hash lh: when; hw: to whom) while it is out of the queue. That receiver
+-- still waits as a rule (it queues again once it has picked the slot up and tried:
+-- three round trips); counted only while out of the queue, so never twice (the fair
+-- share must not shrink for a moment after every hand-off: every process at its share
+-- would hand a slot on, and so on).
+local function competitors(q, lh, now)
+  local waiting = redis.call('ZCARD', q)
+  if waiting > 0 and redis.call('ZSCORE', q, token) then
+    waiting = waiting - 1
+  end
+  local last = tonumber(redis.call('HGET', lh, 'h'))
+  if last ~= nil and now - last < HANDED_RECENT_MS then
+    local who = redis.call('HGET', lh, 'hw')
+    if who and who ~= token and not redis.call('ZSCORE', q, who) then
+      waiting = waiting + 1
+    end
+  end
+  return waiting
+end
 local released, handed, not_ours = 0, 0, 0
-local each, others = {}, {}
+local each, others, shares = {}, {}, {}
 local a, k = 8, 1
 while a <= #ARGV do
   local c = tonumber(ARGV[a])
   local want = tonumber(ARGV[a + 1]) or 0
   local keep_prefix = ARGV[a + 2]
-  local kept, handed_other = 0, false
-  a = a + 3
+  local held_other = tonumber(ARGV[a + 3]) or 0
+  local n = tonumber(ARGV[a + 4]) or 0
+  local kept = 0
+  a = a + 5
   local q, lh, live, wake = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   k = k + 4
   local now = slot_clock(lh, nil, 0, ARGV[5])
@@ -80,7 +113,11 @@ while a <= #ARGV do
     else
       while true do
         local h = redis.call('ZRANGE', q, 0, 0)
-        if want > 0 and (#h == 0 or h[1] == token) then
+        local fair = false
+        if want > 0 and #h > 0 and h[1] ~= token then
+          fair = held_other + kept < math.floor(n / (competitors(q, lh, now) + 1))
+        end
+        if want > 0 and (#h == 0 or h[1] == token or fair) then
           kept = kept + 1
           want = want - 1
           local value = keep_prefix .. kept
@@ -112,7 +149,9 @@ while a <= #ARGV do
           slot_note(lh, idx, h[1], now, ARGV[4])
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
           handed = handed + 1
-          handed_other = handed_other or h[1] ~= token
+          if h[1] ~= token then
+            redis.call('HSET', lh, 'h', now, 'hw', h[1])
+          end
           each[#each + 1] = 2
           break
         end
@@ -120,30 +159,15 @@ while a <= #ARGV do
       end
     end
   end
-  local waiting = redis.call('ZCARD', q)
-  if waiting > 0 and redis.call('ZSCORE', q, token) then
-    waiting = waiting - 1
-  end
   -- A process handed a slot left the queue, but it waited a moment ago and usually
-  -- still does: it queues again for its other jobs once it has read the hand-off,
-  -- picked the slot up and tried (three round trips). Until then it counts, whether
-  -- the hand-off was made here or by an earlier script of any process (field h of the
-  -- lease hash: when the pool's last hand-off to another process was made), or a
-  -- release in that moment would answer "nobody else waits" and the caller would keep
-  -- its next slots among its own jobs for QUIET_FOR, skipping it; with releases that
-  -- bunch, after every hand-off (one of two busy processes ended up with almost every
-  -- slot). HANDED_RECENT_MS is well above a pick-up's three round trips.
-  local recent = handed_other
-  if handed_other then
-    redis.call('HSET', lh, 'h', now)
-  else
-    local last = tonumber(redis.call('HGET', lh, 'h'))
-    recent = last ~= nil and now - last < HANDED_RECENT_MS
-  end
-  if recent then
-    waiting = waiting + 1
-  end
+  -- still does (see competitors): until it queues again it counts, or a release in
+  -- that moment would answer "nobody else waits" and the caller would keep its next
+  -- slots among its own jobs for QUIET_FOR, skipping it; with releases that bunch,
+  -- after every hand-off (one of two busy processes ended up with almost every slot).
+  -- HANDED_RECENT_MS is well above a pick-up's three round trips.
+  local waiting = competitors(q, lh, now)
   others[#others + 1] = waiting
+  shares[#shares + 1] = math.floor(n / (waiting + 1))
 end
 local out = {released, handed, not_ours}
 for j = 1, #each do
@@ -151,5 +175,8 @@ for j = 1, #each do
 end
 for j = 1, #others do
   out[#out + 1] = others[j]
+end
+for j = 1, #shares do
+  out[#out + 1] = shares[j]
 end
 return out

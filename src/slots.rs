@@ -94,6 +94,13 @@ const IDLE_HOLD: Duration = Duration::from_millis(20);
 /// meanwhile), which hands the slot to a waiting process if one came. So a process that
 /// starts waiting gets a slot from a busy one within about this plus a round trip.
 const QUIET_FOR: Duration = Duration::from_millis(25);
+/// How long the release script's word on this process's fair share of a pool (while
+/// other processes wait for it) lets a release within that share go straight to a local
+/// waiter without asking again. Longer than [`QUIET_FOR`]: a process within its share
+/// takes nothing from anyone, and one asking per job's worth of releases would cost the
+/// fleet a release script per job; a process that starts waiting gets its first slot
+/// from one above its new share within about this plus a round trip.
+const SHARE_FOR: Duration = Duration::from_millis(100);
 
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).
 /// Every worker ticks every `ttl / 8` (its renewer), so a lease has at least about
@@ -219,6 +226,12 @@ struct PoolState {
     /// some did, or no word yet), and when the release asking again since went out.
     /// See [`PoolState::keep_local`].
     quiet_since: Mutex<(Option<Instant>, Option<Instant>)>,
+    /// When the last release script was sent that said other processes wait for the
+    /// pool, and this process's fair share of it then (N / (processes waiting + 1)):
+    /// for [`SHARE_FOR`] after it, a slot released while this process holds no more than
+    /// that goes straight to a local waiter, as the script would have kept it (see
+    /// `lua/slot_release.lua`). None: no such word, or it is void (a lost reply).
+    share: Mutex<Option<(Instant, u32)>>,
 }
 
 /// A held slot no job uses (see `PoolState::idle`).
@@ -249,6 +262,14 @@ impl PoolState {
                 false
             }
         }
+    }
+
+    /// True if the release script's last word, less than [`SHARE_FOR`] ago, gave this
+    /// process a fair share of at least `held` slots of the pool (`held` counting the
+    /// slot being released).
+    fn within_share(&self, held: usize) -> bool {
+        lock(&self.share)
+            .is_some_and(|(t, share)| t.elapsed() < SHARE_FOR && held <= share as usize)
     }
 
     /// True if the last word of the release script was that another process waits.
@@ -477,6 +498,7 @@ impl Slots {
                         idle: Mutex::new(Vec::new()),
                         idle_flusher: AtomicBool::new(false),
                         quiet_since: Mutex::new((None, None)),
+                        share: Mutex::new(None),
                     },
                 );
             }
@@ -693,7 +715,7 @@ impl Slots {
         for ps in inner.pools.values() {
             release_group_keys(&mut inv, ps);
             // nothing kept: no local waiter is served any more
-            inv.arg(ps.size).arg(0).arg("");
+            inv.arg(ps.size).arg(0).arg("").arg(0).arg(ps.size);
             for (i, k) in ps.slot_keys.iter().enumerate() {
                 inv.key(k);
                 // release-all matches any value of this process
@@ -1020,7 +1042,7 @@ async fn release_lease(
         && lock(&inner.held)
             .get(key)
             .is_some_and(|h| Arc::ptr_eq(&h.lost, lost) && h.surely_live(inner.ttl))
-        && ps.keep_local()
+        && (ps.keep_local() || (ps.has_waiters() && ps.within_share(held_in_pool(inner, pool))))
     {
         if ps.has_waiters() {
             let lease = Lease::again(inner, pool, idx, key, value.to_string(), lost.clone());
@@ -1045,6 +1067,15 @@ async fn release_lease(
         return Ok(());
     }
     release_to_fleet(inner, pool, idx, key, value, lost).await
+}
+
+/// How many slots of `pool` this process holds (`held`: in use, idle, or being released
+/// and not yet out of it).
+fn held_in_pool(inner: &Inner, pool: &str) -> usize {
+    lock(&inner.held)
+        .values()
+        .filter(|h| h.pool == pool)
+        .count()
 }
 
 /// Gives a lease kept in the process to the local waiter that waits longest (dropped, so
@@ -1257,8 +1288,14 @@ async fn release_batch(
         } else {
             String::new()
         };
+        // The pool's other slots this process holds (the released ones left `held`).
+        let mine = held_in_pool(inner, &ps.name);
         release_group_keys(&mut inv, ps);
-        inv.arg(end - start).arg(want).arg(&keep_prefix);
+        inv.arg(end - start)
+            .arg(want)
+            .arg(&keep_prefix)
+            .arg(mine)
+            .arg(ps.size);
         for &j in &order[start..end] {
             inv.key(&batch[j].key);
             inv.arg(batch[j].idx).arg(&batch[j].value);
@@ -1284,6 +1321,7 @@ async fn release_batch(
             for (ps, ..) in &groups {
                 // No word: the pool's slots go through the script until one comes.
                 *lock(&ps.quiet_since) = (None, None);
+                *lock(&ps.share) = None;
             }
             for (ps, _, want, keep_prefix, start, end) in &groups {
                 for &j in &order[*start..*end] {
@@ -1305,12 +1343,19 @@ async fn release_batch(
     for (k, &j) in order.iter().enumerate() {
         status[j] = per_slot.get(k).copied().unwrap_or(0);
     }
-    // Then, per pool group, how many other processes wait for the pool.
+    // Then, per pool group, how many other processes wait for the pool, then this
+    // process's fair share of it.
     let others = per_slot.get(batch.len()..).unwrap_or(&[]);
+    let shares = others.get(groups.len()..).unwrap_or(&[]);
     for (g, (ps, ..)) in groups.iter().enumerate() {
         // Stamped with when the script was sent, not when its answer came: a slow answer
         // must not make "nobody else waits" count as fresh for another QUIET_FOR.
-        *lock(&ps.quiet_since) = ((others.get(g) == Some(&0)).then_some(asked_at), None);
+        let quiet = others.get(g) == Some(&0);
+        *lock(&ps.quiet_since) = (quiet.then_some(asked_at), None);
+        *lock(&ps.share) = match shares.get(g) {
+            Some(&share) if !quiet && share > 0 => Some((asked_at, share as u32)),
+            _ => None,
+        };
     }
     for (ps, guard, want, keep_prefix, start, end) in groups {
         // The j-th slot kept in a group holds `keep_prefix` .. j (lua/slot_release.lua).
@@ -1668,7 +1713,7 @@ fn release_values(
                 };
                 release_group_keys(&mut inv, ps);
                 inv.key(key);
-                inv.arg(1).arg(0).arg("");
+                inv.arg(1).arg(0).arg("").arg(0).arg(ps.size);
                 inv.arg(*idx).arg(value);
             }
             let sent = async {

@@ -470,7 +470,8 @@ async fn handoff_reaches_a_waiter_in_another_process_at_once() -> anyhow::Result
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sixteen_contenders_on_four_slots_across_two_processes() -> anyhow::Result<()> {
+async fn sixteen_contenders_on_four_slots_across_two_processes_keep_fair_shares()
+-> anyhow::Result<()> {
     let redis = RedisServer::start();
     let sim = SimHandle::start(SimOptions::default()).await;
     let mut tc = TestConfig::new(&redis, &sim);
@@ -480,6 +481,8 @@ async fn sixteen_contenders_on_four_slots_across_two_processes() -> anyhow::Resu
         slots_for(&tc, "pa", &cancel).await,
         slots_for(&tc, "pb", &cancel).await,
     ];
+    let mut conn = redis.conn().await;
+    let handoffs_before = calls_of(&mut conn, "xadd").await;
     let held_now = Arc::new(AtomicUsize::new(0));
     let max_held = Arc::new(AtomicUsize::new(0));
     // (slot, process, acquired at, released at), from every contender.
@@ -536,23 +539,38 @@ async fn sixteen_contenders_on_four_slots_across_two_processes() -> anyhow::Resu
         }
     }
     gaps.sort();
-    assert!(
-        gaps.len() > 20,
-        "cross-process hand-offs happened: {}",
-        gaps.len()
-    );
+    gaps.push(Duration::ZERO); // none at all is allowed: each may keep its share
+    gaps.sort();
     let total: u32 = counts.iter().sum();
+    let handoffs = calls_of(&mut conn, "xadd").await - handoffs_before;
+    let per_process: Vec<u32> = (0..2)
+        .map(|p| {
+            per_contender
+                .iter()
+                .filter(|(q, _)| *q == p)
+                .map(|(_, n)| n)
+                .sum()
+        })
+        .collect();
     eprintln!(
-        "16 contenders / 4 slots / 2 processes, 20 ms holds: {total} acquisitions, per contender {min}..{max}; \
-         cross-process hand-off gap p50 {:?} p99 {:?} max {:?} (n = {})",
+        "16 contenders / 4 slots / 2 processes, 20 ms holds: {total} acquisitions, per contender {min}..{max}, \
+         per process {per_process:?}; hand-offs between processes {handoffs}; \
+         cross-process gap p50 {:?} p99 {:?} max {:?} (n = {})",
         percentile(&gaps, 0.5),
         percentile(&gaps, 0.99),
         gaps[gaps.len() - 1],
-        gaps.len()
+        gaps.len() - 1
     );
     assert!(
         max <= 2 * min.max(1) + 1,
         "fair enough: acquisitions per contender {counts:?}"
+    );
+    // Both want every slot: each keeps its fair share (2) among its own contenders, so
+    // slots are not handed round the fleet at every release (a hand-off stream entry, an
+    // XREAD of the other process and a pick-up script each).
+    assert!(
+        u64::from(total) >= 4 * handoffs,
+        "hand-offs between processes are few, not one per release: {handoffs} for {total} acquisitions"
     );
     assert!(
         percentile(&gaps, 0.99) < Duration::from_millis(50),
@@ -562,7 +580,6 @@ async fn sixteen_contenders_on_four_slots_across_two_processes() -> anyhow::Resu
         tokio::time::timeout(Duration::from_secs(5), s.release_all()).await??;
     }
     cancel.cancel();
-    let mut conn = redis.conn().await;
     assert!(slot_keys(&mut conn, "llm").await.is_empty());
     Ok(())
 }
@@ -777,7 +794,8 @@ async fn wait_queued_now(conn: &Conn, token: &str) -> bool {
 /// the releaser must not read "nobody else waits" into that and keep its next slots
 /// among its own jobs, skipping the other process. (That read let one of two busy
 /// processes hold almost every slot: acquisitions per contender [43, 7, 40, 7, ...] in
-/// `sixteen_contenders_on_four_slots_across_two_processes`.)
+/// `sixteen_contenders_on_four_slots_across_two_processes`.) Once each holds its fair
+/// share, a release stays with its own process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it()
 -> anyhow::Result<()> {
@@ -805,7 +823,9 @@ async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it(
     // Now a job of A waits too, behind B.
     let a3 = spawn_acquire(&a);
     assert!(wait_queued_now(&conn, a.token()).await, "A queued behind B");
-    // A's next release belongs to B's second job, which queued first.
+    // B holds one slot of two, its fair share with two processes waiting: A's next
+    // release stays with A's own job (A would hold no more than its share), rather than
+    // giving B both; B's second job gets B's first slot when it is released.
     a2.release().await?;
     let (mut b2, mut a3) = (b2, a3);
     let first = tokio::time::timeout(t, async {
@@ -816,13 +836,13 @@ async fn a_hand_off_to_the_only_other_waiter_does_not_make_the_releaser_skip_it(
     })
     .await?;
     assert_eq!(
-        first.0, "B",
-        "the slot went to B's job, queued first, not to A's own"
+        first.0, "A",
+        "each keeps its fair share (one of two): the slot stays with A's job"
     );
-    let got_b2 = first.1??;
-    drop((got_b1, got_b2));
-    let got_a3 = tokio::time::timeout(t, a3).await???;
-    drop(got_a3);
+    let got_a3 = first.1??;
+    drop(got_b1);
+    let got_b2 = tokio::time::timeout(t, b2).await???;
+    drop((got_a3, got_b2));
     finish(&[&a, &b], &cancel).await?;
     let mut conn = conn;
     assert!(slot_keys(&mut conn, "llm").await.is_empty());

@@ -223,3 +223,58 @@ async fn an_entry_read_ahead_is_kept_ours_while_it_waits() -> anyhow::Result<()>
     stop_clean(&mut w2, Duration::from_secs(6)).await;
     Ok(())
 }
+
+/// Concurrency 1, read-ahead 1, calls of 1.5 s: a job without an id whose cancel marker
+/// was set before it was read waits, read ahead, past the re-read threshold; then cancel
+/// markers cannot be read any more (an ACL), so the re-read fails.
+/// The cancel found with the entry still holds: no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_found_with_the_entry_holds_when_the_re_read_fails() -> anyhow::Result<()> {
+    let mut bed = Bed::new(1500, 1, 1).await?;
+    push(&mut bed.conn, "llm", &[job("first", "hi")]).await;
+    let idless =
+        serde_json::json!({"messages": [{"role": "user", "content": "later"}]}).to_string();
+    let later: String = bed
+        .conn
+        .xadd("{llm}:jobs", "*", &[("payload", idless.as_str())])
+        .await?;
+    let _: () = bed
+        .conn
+        .set_ex(format!("{{llm}}:cancel:{later}"), 1, 60)
+        .await?;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        bed.wait_held(2, 1).await,
+        "the id-less job read ahead while the first calls\n{}",
+        w.log()
+    );
+    // From now on every read of a cancel marker is refused (an ACL that allows every key
+    // of the namespace but `cancel:*`): the re-read after the wait fails, and so do the
+    // cancel watcher's polls.
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("default")
+        .arg("resetkeys")
+        .arg("~{llm}:[^c]*")
+        .arg("~{llm}:c[^a]*")
+        .arg("~{llm}:ca[^n]*")
+        .query_async(&mut bed.conn)
+        .await?;
+    let refused: redis::RedisResult<Option<String>> =
+        bed.conn.get(format!("{{llm}}:cancel:{later}")).await;
+    assert!(refused.is_err(), "the marker cannot be read any more");
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 2, Duration::from_secs(15)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    let r = results
+        .iter()
+        .map(|(_, r)| r)
+        .find(|r| r["job_id"] == later)
+        .expect("a result for the id-less job");
+    assert_eq!(r["status"], "cancelled", "{r:?}\n{}", w.log());
+    assert_eq!(bed.total_calls(), 1, "no call for the cancelled job");
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}

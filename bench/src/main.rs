@@ -82,6 +82,8 @@ fn spec(label: &str, subject: Subject, jobs: u64, latency_ms: u64, n: u32) -> Sp
         jitter_ms: 0,
         slots: n,
         concurrency: Some(64),
+        // A quarter, as the daemon derives beside a derived concurrency.
+        read_ahead: Some(16),
         peer_concurrency: 64,
         processes: 1,
         monitor: false,
@@ -215,7 +217,7 @@ async fn main() -> anyhow::Result<()> {
             ));
             pairs.swap_remove(mid)
         };
-        let t = format!("0 ms, C=64, N=64, {} jobs", sz.a);
+        let t = format!("0 ms, C=64 (+16 read ahead), N=64, {} jobs", sz.a);
         rep.push(
             Row::new("a", &format!("jobs/s, {t}"), ">= 1.25x peer")
                 .vals(val(&l, |o| o.jobs_per_s), val(&p, |o| o.jobs_per_s)),
@@ -270,7 +272,7 @@ async fn main() -> anyhow::Result<()> {
             &mut all,
         )
         .await?;
-        let t = format!("0 ms, C=64, N=64, {} jobs", sz.a);
+        let t = format!("0 ms, C=64 (+16 read ahead), N=64, {} jobs", sz.a);
         for (what, f) in [
             (
                 "jobs/s",
@@ -381,7 +383,10 @@ async fn main() -> anyhow::Result<()> {
         rep.push(
             Row::new(
                 "b",
-                &format!("jobs/s, 0 ms, C=64, N=64, {} backlog", sz.b),
+                &format!(
+                    "jobs/s, 0 ms, C=64 (+16 read ahead), N=64, {} backlog",
+                    sz.b
+                ),
                 ">= 1.25x peer",
             )
             .vals(val(&l, |o| o.jobs_per_s), val(&p, |o| o.jobs_per_s)),
@@ -435,6 +440,7 @@ async fn main() -> anyhow::Result<()> {
             let jobs = n as u64 * 5 * sz.c_secs * if n == 8 { 3 } else { 1 };
             let mut ls = spec(&format!("c-N{n}"), Llm, jobs, 200, n);
             ls.concurrency = None;
+            ls.read_ahead = None;
             let mut ps = spec(&format!("c-N{n}"), Peer, jobs, 200, n);
             ps.peer_concurrency = n as usize;
             let l = go(&env, args.quick, ls, &mut all).await?;
@@ -480,6 +486,7 @@ async fn main() -> anyhow::Result<()> {
         let jobs = n as u64 * 5 * sz.c_secs * 3;
         let mut ls = spec("d-jitter", Llm, jobs, 175, n);
         ls.concurrency = None;
+        ls.read_ahead = None;
         ls.jitter_ms = 50;
         let mut ps = spec("d-jitter", Peer, jobs, 175, n);
         ps.peer_concurrency = n as usize;
@@ -535,9 +542,10 @@ async fn main() -> anyhow::Result<()> {
                 )
             }
         };
-        rep.push(Row::new("e", "peak RSS MB, C=64 (0 ms)", "<= 10").vals(rl, rp));
+        rep.push(Row::new("e", "peak RSS MB, C=64 (+16 read ahead; 0 ms)", "<= 10").vals(rl, rp));
         let mut ls = spec("e-1000", Llm, sz.e, 1000, 1000);
         ls.concurrency = Some(1000);
+        ls.read_ahead = None;
         let mut ps = spec("e-1000", Peer, sz.e, 1000, 1000);
         ps.peer_concurrency = 1000;
         let l = go(&env, args.quick, ls, &mut all).await?;
@@ -559,6 +567,7 @@ async fn main() -> anyhow::Result<()> {
         let jobs = 64 * 5 * sz.g_secs;
         let mut ls = spec("g", Llm, jobs, 200, 64);
         ls.concurrency = None;
+        ls.read_ahead = None;
         ls.processes = 8;
         let mut ps = spec("g", Peer, jobs, 200, 64);
         ps.peer_concurrency = 8;

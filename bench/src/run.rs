@@ -57,6 +57,9 @@ pub struct Spec {
     pub slots: u32,
     /// llm-worker: `worker.concurrency`; None = the daemon's default (key left out).
     pub concurrency: Option<usize>,
+    /// llm-worker: `worker.read_ahead`; None = the daemon's default (key left out: a
+    /// quarter of the derived concurrency, or none beside an explicit one).
+    pub read_ahead: Option<usize>,
     /// bullmq-official: concurrency of each worker process.
     pub peer_concurrency: usize,
     pub processes: usize,
@@ -152,7 +155,7 @@ pub fn write_config(
     sim_port: u16,
     http_port: Option<u16>,
     slots: u32,
-    concurrency: Option<usize>,
+    (concurrency, read_ahead): (Option<usize>, Option<usize>),
     quotas: bool,
 ) -> anyhow::Result<()> {
     // Limits far above what a run can reach: every check runs, none holds a job back.
@@ -167,7 +170,10 @@ pub fn write_config(
     };
     let conc = concurrency
         .map(|c| format!("concurrency = {c}\n"))
-        .unwrap_or_default();
+        .unwrap_or_default()
+        + &read_ahead
+            .map(|r| format!("read_ahead = {r}\n"))
+            .unwrap_or_default();
     let listen = http_port
         .map(|p| format!("127.0.0.1:{p}"))
         .unwrap_or_default();
@@ -255,6 +261,7 @@ pub struct Proc {
 pub struct Shape {
     pub slots: u32,
     pub concurrency: Option<usize>,
+    pub read_ahead: Option<usize>,
     pub peer_concurrency: usize,
     /// See [`Spec::quotas`].
     pub quotas: bool,
@@ -272,6 +279,7 @@ pub fn spawn_worker(
     let Shape {
         slots: spec_slots,
         concurrency,
+        read_ahead,
         peer_concurrency,
         quotas,
     } = shape;
@@ -286,7 +294,7 @@ pub fn spawn_worker(
                 sim_port,
                 Some(http_port),
                 spec_slots,
-                concurrency,
+                (concurrency, read_ahead),
                 quotas,
             )?;
             let mut cmd = Command::new(&env.daemon);
@@ -512,6 +520,7 @@ async fn measure(
             Shape {
                 slots: spec.slots,
                 concurrency: spec.concurrency,
+                read_ahead: spec.read_ahead,
                 peer_concurrency: spec.peer_concurrency,
                 quotas: spec.quotas,
             },
@@ -666,6 +675,7 @@ pub async fn start_stop(
                 Shape {
                     slots: 8,
                     concurrency: Some(8),
+                    read_ahead: None,
                     peer_concurrency: 8,
                     quotas: false,
                 },

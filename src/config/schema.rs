@@ -114,9 +114,9 @@ pub struct WorkerConfig {
     pub concurrency: Option<NonZeroUsize>,
     /// Entries this process may hold beyond `concurrency`: read ahead and waiting for a
     /// job to end (so the next job starts the moment one ends, without a read on the
-    /// way), or decided and committing. Absent = a quarter of `concurrency`, at least 1
-    /// (filled in by validation). 0 = read only for a free place (and a job's place
-    /// frees only at its commit's reply).
+    /// way), or decided and committing. Absent = a quarter of `concurrency`, at least 1,
+    /// when `concurrency` is absent too; 0 when it is set (filled in by validation). 0 =
+    /// read only for a free place (and a job's place frees only at its commit's reply).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub read_ahead: Option<usize>,
     /// After the first signal, running calls get this long before they are cancelled
@@ -276,10 +276,9 @@ impl WorkerConfig {
     }
 
     /// Entries held beyond `concurrency` (after validation, the configured or the derived
-    /// value).
+    /// value; 0 for a config that skipped validation).
     pub fn read_ahead(&self) -> usize {
-        self.read_ahead
-            .unwrap_or_else(|| (self.concurrency() / 4).max(1))
+        self.read_ahead.unwrap_or(0)
     }
 }
 

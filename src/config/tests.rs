@@ -767,12 +767,20 @@ fn concurrency_absent_is_every_pools_n_and_read_ahead_a_quarter_of_it() {
     let c = Config::from_toml_str(&big, &env(&[])).expect("N = 64");
     assert_eq!(c.worker.concurrency(), 64);
     assert_eq!(c.worker.read_ahead(), 16);
-    // An explicit value wins, and check-config shows what is used.
+    // An explicit value wins, and reads none ahead unless told; check-config shows what
+    // is used.
     let c = Config::from_toml_str(DEMO, &env(&[])).expect("demo");
     assert_eq!(c.worker.concurrency(), 16);
-    assert_eq!(c.worker.read_ahead(), 4);
+    assert_eq!(c.worker.read_ahead(), 0);
     assert!(c.redacted_toml().contains("concurrency = 16\n"));
-    assert!(c.redacted_toml().contains("read_ahead = 4\n"));
+    assert!(c.redacted_toml().contains("read_ahead = 0\n"));
+    let c = Config::from_toml_str(DEMO, &env(&[("LLM_WORKER__WORKER__READ_AHEAD", "5")]))
+        .expect("both set");
+    assert_eq!((c.worker.concurrency(), c.worker.read_ahead()), (16, 5));
+    // A large explicit concurrency is no error about a key nobody wrote.
+    let c = Config::from_toml_str(DEMO, &env(&[("LLM_WORKER__WORKER__CONCURRENCY", "40004")]))
+        .expect("a large concurrency");
+    assert_eq!(c.worker.read_ahead(), 0);
     let var = "LLM_WORKER__WORKER__READ_AHEAD";
     let c = Config::from_toml_str(DEMO, &env(&[(var, "0")])).expect("no read-ahead");
     assert_eq!(c.worker.read_ahead(), 0);

@@ -80,15 +80,16 @@ impl Config {
             ),
         )?;
         self.validate_pools_providers_models()?;
+        if let Some(r) = self.worker.read_ahead {
+            require(
+                r <= MAX_READ_AHEAD,
+                "worker.read_ahead",
+                format!(
+                    "is {r}; it must be at most {MAX_READ_AHEAD} (entries read ahead are held by this process, away from the rest of the fleet)"
+                ),
+            )?;
+        }
         self.derive_concurrency();
-        require(
-            self.worker.read_ahead() <= MAX_READ_AHEAD,
-            "worker.read_ahead",
-            format!(
-                "is {}; it must be at most {MAX_READ_AHEAD} (entries read ahead are held by this process, away from the rest of the fleet)",
-                self.worker.read_ahead()
-            ),
-        )?;
         self.validate_routes()?;
         self.resolve_api_keys(env)?;
         Ok(())
@@ -321,18 +322,27 @@ impl Config {
     }
 
     /// `worker.concurrency` when absent: N of every pool, at most
-    /// [`MAX_DERIVED_CONCURRENCY`]; `worker.read_ahead` when absent: a quarter of that, at
-    /// least 1. Per process: a fleet of P workers holds up to P times the read-ahead
-    /// (entries read ahead stay pending under their worker, kept alive by it).
+    /// [`MAX_DERIVED_CONCURRENCY`], and then `worker.read_ahead` when absent too: a quarter
+    /// of that, at least 1. A `concurrency` set explicitly without a `read_ahead` reads
+    /// none ahead: the process holds exactly `concurrency` entries, as it always did (what
+    /// KEDA's pending-entries trigger and fleet sizing count on). Per process: a fleet of
+    /// P workers holds up to P times the read-ahead (entries read ahead stay pending under
+    /// their worker, kept alive by it).
     fn derive_concurrency(&mut self) {
-        if self.worker.concurrency.is_none() {
+        let derived = self.worker.concurrency.is_none();
+        if derived {
             let n: usize = self.pools.values().map(|p| p.slots.get() as usize).sum();
             let n = n.max(1);
             // Capped: a huge pool must not make one process read the whole backlog.
             self.worker.concurrency = std::num::NonZeroUsize::new(n.min(MAX_DERIVED_CONCURRENCY));
         }
         if self.worker.read_ahead.is_none() {
-            self.worker.read_ahead = Some(self.worker.read_ahead());
+            let r = if derived {
+                (self.worker.concurrency() / 4).clamp(1, MAX_READ_AHEAD)
+            } else {
+                0
+            };
+            self.worker.read_ahead = Some(r);
         }
     }
 

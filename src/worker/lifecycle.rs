@@ -173,16 +173,27 @@ impl Worker {
     }
 
     /// A job permit for a task read ahead (none was free at its read) or for a copy that
-    /// gave its permit back while waiting and may now call a model, in the order they
-    /// asked. `None` when draining began first; else how long it waited.
+    /// gave its permits back while waiting and may now call a model, in the order they
+    /// asked; such a copy first takes a read permit again (so every task past its
+    /// decision holds one: that bounds the results held). `None` when draining began
+    /// first; else how long it waited.
     pub(super) async fn regain_permit(&self, entry_id: &str) -> Option<Duration> {
         if lock(&self.permits).contains_key(entry_id) {
             return Some(Duration::ZERO);
         }
         let began = Instant::now();
+        if !lock(&self.read_permits).contains_key(entry_id) {
+            let read = tokio::select! {
+                biased;
+                _ = self.draining.cancelled() => return None,
+                p = self.read_sem.clone().acquire_owned() => p.ok()?,
+            };
+            lock(&self.read_permits).insert(entry_id.to_string(), read);
+        }
         let permit = tokio::select! {
-            p = self.sem.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return None },
+            biased;
             _ = self.draining.cancelled() => return None,
+            p = self.sem.clone().acquire_owned() => p.ok()?,
         };
         lock(&self.permits).insert(entry_id.to_string(), permit);
         Some(began.elapsed())
@@ -344,8 +355,10 @@ impl Worker {
         let stop = CancellationToken::new();
         lock(&self.stops).insert(d.entry_id.clone(), (job.id.clone(), stop.clone()));
         if !job.keyed {
-            let cancelled = if cancel_known {
-                d.cancelled
+            let cancelled = if d.cancel_checked && d.cancelled {
+                true // found with the entry: a cancel is never taken back
+            } else if cancel_known {
+                false
             } else {
                 let ids = [job.id.as_str()];
                 let asked = self.queue.cancelled(&ids);
@@ -437,7 +450,13 @@ impl Worker {
         // delivered again, it checks once, right before its first call, that its entry is
         // still pending under this worker (not committed meanwhile by the worker it was
         // taken over from). A first delivery skips the round trip.
+        // So does one first delivered here that waited a third of `claim_idle_ms` or more
+        // since its read (read ahead, for a slot, through an outage of this worker alone):
+        // another worker may have taken it over before this one's keepalive could tell.
         let mut check_ours = !job.keyed && (d.deliveries > 1 || d.reclaimed);
+        // (Again before a later call, if as long has passed since the last check.)
+        let long_held = self.cfg.queue.claim_idle_ms / 3;
+        let mut ours_since = started;
         // Since when the current model has been held back by a fleet-wide rate limit.
         let mut limited_since: Option<Instant> = None;
         // The job's place under its tenant's cap in the current model's pool, if capped.
@@ -540,8 +559,9 @@ impl Worker {
                     release_unused(lease).await;
                     return None;
                 }
-                if check_ours {
+                if check_ours || (!job.keyed && ours_since.elapsed() >= long_held) {
                     check_ours = false;
+                    ours_since = Instant::now();
                     if !self.still_ours(&d.entry_id).await {
                         release_unused(lease).await;
                         return None;
@@ -1241,13 +1261,14 @@ fn within_cap(
     Err(quota::over_cap(cap, spent, &left))
 }
 
-/// How long a budget settle is retried while Redis does not answer.
 /// A cancel marker read with the entry still counts before its call if the job waited
 /// less than this for its job permit (read ahead); after a longer wait it is read again,
 /// so a cancel set meanwhile stops the job before any call (the cancel watcher covers
-/// the jobs already past their parse, every `CANCEL_POLL`).
+/// the jobs already past their parse, every `CANCEL_POLL`). A marker found with the
+/// entry always counts.
 const CANCEL_CHECK_FRESH: Duration = Duration::from_millis(100);
 
+/// How long a budget settle is retried while Redis does not answer.
 const SETTLE_GIVE_UP: Duration = Duration::from_secs(600);
 
 /// Most jobs parked by one budget moved back by one sweep of one worker.

@@ -1,5 +1,6 @@
 //! One job's lifecycle, and the reader loop that feeds jobs to at most
-//! `worker.concurrency` job tasks. Rooms: [`reader`] (read, reclaim, spawn), [`lifecycle`]
+//! `worker.concurrency + worker.read_ahead` job tasks (at most `worker.concurrency` of
+//! them worked on). Rooms: [`reader`] (read, reclaim, spawn), [`lifecycle`]
 //! (one job from parse to decision), [`bill`] (usage and exact cost), [`commit`] (the
 //! job's end written with its acknowledgement), [`keepalive`] (running entries kept
 //! ours); this file holds the `Worker`.
