@@ -8,7 +8,10 @@
 --   sets the key (take, hand-off, renewal, restore) and removed with it (release);
 --   field t   = server TIME (ms) of the last slot script that ran for this pool;
 --   field h   = server TIME (ms) of the pool's last hand-off to another process
---               (lua/slot_release.lua: its receiver still counts as waiting a moment).
+--               (lua/slot_release.lua: its receiver still counts as waiting a moment);
+--   field hb  = the same time and that receiver's token, "<ms>|<token>" (one field, so
+--               a writer of h alone, an older release script, never pairs a new time
+--               with an old receiver).
 -- Every live worker runs a slot script at least every ttl/8 (its renewer ticks even when
 -- it holds nothing), so a gap larger than `gap` ms (ttl/2) between two scripts means
 -- nobody could reach Redis: it was stopped, busy forking, failing over, or cut off. Slot

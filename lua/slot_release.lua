@@ -60,8 +60,8 @@ local function matches(v, value)
   return v == value
 end
 -- How many other processes want a slot of the pool: those in its queue q, plus the
--- receiver of a hand-off to another process in the last HANDED_RECENT_MS (field h of
--- the lease hash lh: when; hw: to whom) while it is out of the queue. That receiver
+-- receiver of a hand-off to another process in the last HANDED_RECENT_MS (field hb of
+-- the lease hash lh: "<when>|<to whom>") while it is out of the queue. That receiver
 -- still waits as a rule (it queues again once it has picked the slot up and tried:
 -- three round trips); counted only while out of the queue, so never twice (the fair
 -- share must not shrink for a moment after every hand-off: every process at its share
@@ -71,14 +71,32 @@ local function competitors(q, lh, now)
   if waiting > 0 and redis.call('ZSCORE', q, token) then
     waiting = waiting - 1
   end
-  local last = tonumber(redis.call('HGET', lh, 'h'))
-  if last ~= nil and now - last < HANDED_RECENT_MS then
-    local who = redis.call('HGET', lh, 'hw')
-    if who and who ~= token and not redis.call('ZSCORE', q, who) then
-      waiting = waiting + 1
-    end
+  local last, who = string.match(redis.call('HGET', lh, 'hb') or '', '^(%d+)|(.*)$')
+  last = tonumber(last)
+  if last ~= nil and now - last < HANDED_RECENT_MS and who ~= token
+      and not redis.call('ZSCORE', q, who) then
+    waiting = waiting + 1
   end
   return waiting
+end
+-- How many live leases of the pool process `who` holds, from the lease hash lh's slot
+-- records ("<lease value>|<deadline>|<length>"; a lease value is the process token,
+-- alone or followed by '#'). Read only when a slot may be kept by fair share, so at
+-- most once per release script in a contended pool.
+local function holds(lh, who, now)
+  local all = redis.call('HGETALL', lh)
+  local count = 0
+  for j = 1, #all, 2 do
+    local v = all[j + 1]
+    if tonumber(all[j]) and string.sub(v, 1, #who) == who then
+      local c = string.sub(v, #who + 1, #who + 1)
+      local deadline = tonumber(string.match(v, '|(%d+)|%d+$'))
+      if (c == '#' or c == '|') and deadline and deadline > now then
+        count = count + 1
+      end
+    end
+  end
+  return count
 end
 local released, handed, not_ours = 0, 0, 0
 local each, others, shares = {}, {}, {}
@@ -113,9 +131,15 @@ while a <= #ARGV do
     else
       while true do
         local h = redis.call('ZRANGE', q, 0, 0)
+        -- Kept by fair share only while this process would hold no more than the
+        -- process at the head does: a process holding slots but waiting for none is
+        -- not in the queue, so the shares of those in it may add up to more than they
+        -- can get, and a newcomer (holding none) must not wait for such a holder.
         local fair = false
         if want > 0 and #h > 0 and h[1] ~= token then
-          fair = held_other + kept < math.floor(n / (competitors(q, lh, now) + 1))
+          local mine_after = held_other + kept + 1
+          fair = mine_after <= math.floor(n / (competitors(q, lh, now) + 1))
+            and holds(lh, h[1], now) >= mine_after
         end
         if want > 0 and (#h == 0 or h[1] == token or fair) then
           kept = kept + 1
@@ -150,7 +174,7 @@ while a <= #ARGV do
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
           handed = handed + 1
           if h[1] ~= token then
-            redis.call('HSET', lh, 'h', now, 'hw', h[1])
+            redis.call('HSET', lh, 'h', now, 'hb', now .. '|' .. h[1])
           end
           each[#each + 1] = 2
           break
@@ -167,7 +191,19 @@ while a <= #ARGV do
   -- HANDED_RECENT_MS is well above a pick-up's three round trips.
   local waiting = competitors(q, lh, now)
   others[#others + 1] = waiting
-  shares[#shares + 1] = math.floor(n / (waiting + 1))
+  local share = math.floor(n / (waiting + 1))
+  if waiting > 0 and share > 0 then
+    -- No more than the first other process in the queue holds (see the keep above).
+    local firsts = redis.call('ZRANGE', q, 0, 1)
+    local head = firsts[1]
+    if head == token then
+      head = firsts[2]
+    end
+    if head then
+      share = math.min(share, holds(lh, head, now))
+    end
+  end
+  shares[#shares + 1] = share
 end
 local out = {released, handed, not_ours}
 for j = 1, #each do

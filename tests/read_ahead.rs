@@ -278,3 +278,51 @@ async fn a_cancel_found_with_the_entry_holds_when_the_re_read_fails() -> anyhow:
     stop_clean(&mut w, Duration::from_secs(6)).await;
     Ok(())
 }
+
+/// Concurrency 1, read-ahead 1, calls of 2.5 s, `claim_idle_ms` 3000 (keepalive every
+/// second): a job without an id waits, read ahead, for 2.5 s; just before its turn
+/// another consumer takes its entry over (XCLAIM), between two keepalives. Having waited
+/// over a third of `claim_idle_ms` since its read, it checks that its entry is still
+/// its worker's before the call: no call here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_held_long_checks_its_entry_is_still_ours_before_its_call() -> anyhow::Result<()> {
+    let mut bed = Bed::new(2500, 1, 1).await?;
+    push(&mut bed.conn, "llm", &[job("first", "hi")]).await;
+    let idless =
+        serde_json::json!({"messages": [{"role": "user", "content": "later"}]}).to_string();
+    let later: String = bed
+        .conn
+        .xadd("{llm}:jobs", "*", &[("payload", idless.as_str())])
+        .await?;
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "3000")];
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &env);
+    assert!(
+        bed.wait_held(2, 1).await,
+        "the id-less job read ahead while the first calls\n{}",
+        w.log()
+    );
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    xclaim(&mut bed.conn, "thief", &later, 0, 1).await;
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(10)).await,
+        &[&w],
+    )?;
+    // Its turn came at about 2.5 s; give a wrong call time to show.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let calls = bed
+        .sim
+        .sim
+        .stats()
+        .calls_per_job
+        .get(&later)
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(
+        calls,
+        0,
+        "no call for an entry another consumer took\n{}",
+        w.log()
+    );
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}

@@ -22,8 +22,9 @@ impl Worker {
     /// - an error that heals ([`QueueError::heals`]: Redis unreachable, timeouts, `OOM`
     ///   under `noeviction`, `LOADING`, a failover) holds the result and retries with
     ///   backoff until Redis takes it. Held results are bounded by count (each holds its
-    ///   task's read permit, so at most `worker.concurrency + worker.read_ahead`) and by
-    ///   bytes
+    ///   task's read permit, so at most `worker.concurrency + worker.read_ahead`, plus
+    ///   copies of busy ids that gave theirs back, at most `worker.concurrency` more) and
+    ///   by bytes
     ///   ([`MAX_HELD_RESULT_BYTES`] per process; past that a result is dropped, logged and
     ///   counted in `llm_worker_results_lost_total`). While held, the entry stays in
     ///   `active`, so the keepalive keeps it from being taken over;

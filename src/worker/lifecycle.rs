@@ -174,20 +174,18 @@ impl Worker {
 
     /// A job permit for a task read ahead (none was free at its read) or for a copy that
     /// gave its permits back while waiting and may now call a model, in the order they
-    /// asked; such a copy first takes a read permit again (so every task past its
-    /// decision holds one: that bounds the results held). `None` when draining began
-    /// first; else how long it waited.
+    /// asked; such a copy also takes a read permit again if one is free (not waiting for
+    /// one: the reader holds every free read permit through its blocking read, so on a
+    /// quiet stream that wait would be up to `queue.block_ms`). `None` when draining
+    /// began first; else how long it waited.
     pub(super) async fn regain_permit(&self, entry_id: &str) -> Option<Duration> {
         if lock(&self.permits).contains_key(entry_id) {
             return Some(Duration::ZERO);
         }
         let began = Instant::now();
-        if !lock(&self.read_permits).contains_key(entry_id) {
-            let read = tokio::select! {
-                biased;
-                _ = self.draining.cancelled() => return None,
-                p = self.read_sem.clone().acquire_owned() => p.ok()?,
-            };
+        if !lock(&self.read_permits).contains_key(entry_id)
+            && let Ok(read) = self.read_sem.clone().try_acquire_owned()
+        {
             lock(&self.read_permits).insert(entry_id.to_string(), read);
         }
         let permit = tokio::select! {
