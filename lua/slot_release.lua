@@ -79,24 +79,23 @@ local function competitors(q, lh, now)
   end
   return waiting
 end
--- How many live leases of the pool process `who` holds, from the lease hash lh's slot
--- records ("<lease value>|<deadline>|<length>"; a lease value is the process token,
--- alone or followed by '#'). Read only when a slot may be kept by fair share, so at
--- most once per release script in a contended pool.
-local function holds(lh, who, now)
+-- How many live leases of the pool each process holds (process token -> count), from
+-- the lease hash lh's slot records ("<lease value>|<deadline>|<length>"; a lease value
+-- is the process token, alone or followed by '#'). One HGETALL, read at most once per
+-- pool group of a release script, and only when a slot may be kept by fair share or a
+-- share is to be told.
+local function lease_counts(lh, now)
   local all = redis.call('HGETALL', lh)
-  local count = 0
+  local counts = {}
   for j = 1, #all, 2 do
-    local v = all[j + 1]
-    if tonumber(all[j]) and string.sub(v, 1, #who) == who then
-      local c = string.sub(v, #who + 1, #who + 1)
-      local deadline = tonumber(string.match(v, '|(%d+)|%d+$'))
-      if (c == '#' or c == '|') and deadline and deadline > now then
-        count = count + 1
+    if tonumber(all[j]) then
+      local who, deadline = string.match(all[j + 1], '^([^#|]+)[^|]*|(%d+)|%d+$')
+      if who and tonumber(deadline) > now then
+        counts[who] = (counts[who] or 0) + 1
       end
     end
   end
-  return count
+  return counts
 end
 local released, handed, not_ours = 0, 0, 0
 local each, others, shares = {}, {}, {}
@@ -108,10 +107,18 @@ while a <= #ARGV do
   local held_other = tonumber(ARGV[a + 3]) or 0
   local n = tonumber(ARGV[a + 4]) or 0
   local kept = 0
+  local wanted = want
   a = a + 5
   local q, lh, live, wake = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   k = k + 4
   local now = slot_clock(lh, nil, 0, ARGV[5])
+  local counts = nil
+  local function held_by(who)
+    if counts == nil then
+      counts = lease_counts(lh, now)
+    end
+    return counts[who] or 0
+  end
   if ARGV[3] == '1' then
     redis.call('ZREM', q, token)
     redis.call('ZREM', live, token)
@@ -131,15 +138,18 @@ while a <= #ARGV do
     else
       while true do
         local h = redis.call('ZRANGE', q, 0, 0)
-        -- Kept by fair share only while this process would hold no more than the
-        -- process at the head does: a process holding slots but waiting for none is
-        -- not in the queue, so the shares of those in it may add up to more than they
-        -- can get, and a newcomer (holding none) must not wait for such a holder.
+        -- Kept by fair share only while the process at the head holds some slot and
+        -- at most one fewer than this one would: a process holding slots but waiting
+        -- for none is not in the queue, so the shares of those in it may add up to more
+        -- than they can get, and a newcomer (holding none) must not wait for such a
+        -- holder; handing on only to narrow a gap of two or more keeps uneven holdings
+        -- (3 and 2, say) from bouncing a slot between two processes at every release.
         local fair = false
         if want > 0 and #h > 0 and h[1] ~= token then
           local mine_after = held_other + kept + 1
+          local theirs = held_by(h[1])
           fair = mine_after <= math.floor(n / (competitors(q, lh, now) + 1))
-            and holds(lh, h[1], now) >= mine_after
+            and theirs > 0 and theirs >= mine_after - 1
         end
         if want > 0 and (#h == 0 or h[1] == token or fair) then
           kept = kept + 1
@@ -172,6 +182,9 @@ while a <= #ARGV do
           redis.call('SET', key, h[1], 'PX', ARGV[4])
           slot_note(lh, idx, h[1], now, ARGV[4])
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
+          if counts ~= nil then
+            counts[h[1]] = (counts[h[1]] or 0) + 1
+          end
           handed = handed + 1
           if h[1] ~= token then
             redis.call('HSET', lh, 'h', now, 'hb', now .. '|' .. h[1])
@@ -192,15 +205,19 @@ while a <= #ARGV do
   local waiting = competitors(q, lh, now)
   others[#others + 1] = waiting
   local share = math.floor(n / (waiting + 1))
-  if waiting > 0 and share > 0 then
-    -- No more than the first other process in the queue holds (see the keep above).
+  if wanted == 0 then
+    share = 0 -- nobody here waits: nothing to keep by it
+  elseif waiting > 0 and share > 0 then
+    -- As the keep above: no more than one above what the first other process in the
+    -- queue holds, and nothing while it holds none.
     local firsts = redis.call('ZRANGE', q, 0, 1)
     local head = firsts[1]
     if head == token then
       head = firsts[2]
     end
     if head then
-      share = math.min(share, holds(lh, head, now))
+      local theirs = held_by(head)
+      share = math.min(share, theirs > 0 and theirs + 1 or 0)
     end
   end
   shares[#shares + 1] = share

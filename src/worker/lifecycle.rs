@@ -146,16 +146,12 @@ impl Worker {
         let first = since.is_none();
         let since = *since.get_or_insert_with(tokio::time::Instant::now);
         if first {
-            // Copies waiting so: tasks holding neither permit (one read ahead holds its
-            // read permit; a copy working again after its wait, its job permit).
-            let waiting = {
-                let active = lock(&self.active);
-                let (reads, jobs) = (lock(&self.read_permits), lock(&self.permits));
-                active
-                    .keys()
-                    .filter(|e| !reads.contains_key(*e) && !jobs.contains_key(*e))
-                    .count()
-            };
+            // Tasks without a read permit: copies waiting so, and those that worked on
+            // after their wait without one (none was free): at most `concurrency` in
+            // all, so results held stay within `concurrency + read_ahead + concurrency`.
+            let waiting = lock(&self.active)
+                .len()
+                .saturating_sub(lock(&self.read_permits).len());
             if waiting < self.cfg.worker.concurrency() {
                 drop(lock(&self.permits).remove(entry_id));
                 drop(lock(&self.read_permits).remove(entry_id));
