@@ -494,48 +494,104 @@ impl<'de> serde::Deserialize<'de> for FirstKey {
     }
 }
 
-/// A JSON object's members as they are written (a repeated name: the last one, as
-/// [`Value`] reads it). Keys with escapes are not borrowable: such a body takes the full
-/// parse.
-type RawObject<'a> = std::collections::BTreeMap<&'a str, &'a serde_json::value::RawValue>;
+/// The common answer's shape, read in one pass: an `error` member (any value but null
+/// sends the body to the full read), the first choice's `message.content` (a string)
+/// and `finish_reason` (a string or null), and `usage`. Other members and choices are
+/// skipped (the [`Checked`] pass read them as the full read does). A repeated member is
+/// an error here (serde's derive refuses it), so such a body takes the full read, which
+/// keeps the last one.
+#[derive(serde::Deserialize)]
+struct FastBody<'a> {
+    #[serde(borrow, default)]
+    error: Option<&'a serde_json::value::RawValue>,
+    choices: FirstChoice,
+    #[serde(default)]
+    usage: Option<Value>,
+}
+
+#[derive(serde::Deserialize)]
+struct FastChoice {
+    message: MapOnly<FastMessage>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct FastMessage {
+    content: String,
+}
+
+/// A JSON array's first element as a [`FastChoice`], the rest skipped; an empty array
+/// is an error (the full read decides).
+struct FirstChoice(FastChoice);
+
+impl<'de> serde::Deserialize<'de> for FirstChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<FirstChoice, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = FirstChoice;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a non-empty array of choices")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<FirstChoice, A::Error> {
+                let MapOnly(first) = a
+                    .next_element::<MapOnly<FastChoice>>()?
+                    .ok_or_else(|| serde::de::Error::custom("no choice"))?;
+                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(FirstChoice(first))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// `T` read from a JSON object only: serde's derived structs also read an array
+/// (fields by position), which the full read would not take for an object.
+struct MapOnly<T>(T);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for MapOnly<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<MapOnly<T>, D::Error> {
+        struct V<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for V<T> {
+            type Value = MapOnly<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, a: A) -> Result<MapOnly<T>, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(a)).map(MapOnly)
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
+}
 
 /// The common answer, a success with `choices[0].message.content` a string, read without
 /// building a [`Value`] of the whole body (that was about a tenth of the worker's
 /// instructions per job at a 0 ms model): only the `usage` object becomes one. `None`
 /// for anything else (an `error` member, no choices, a content that is not a string, a
-/// key with escapes, not an object at all, a body the full read refuses): the caller then
+/// repeated member, not an object at all, a body the full read refuses): the caller then
 /// reads the body in full, so the outcome of every body is the one the full read gives.
 fn classify_ok_fast(body: &[u8]) -> Option<Outcome> {
     // First the whole body as the full read checks it (nesting depth, numbers in range,
-    // escapes that make characters), with nothing built: the raw members below are only
-    // skimmed, and would let through what the full read refuses in a member it skips.
+    // escapes that make characters), with nothing built: the typed read below skips
+    // members, and would let through what the full read refuses in a member it skips.
     serde_json::from_slice::<Checked>(body).ok()?;
-    let top: RawObject = serde_json::from_slice(body).ok()?;
-    if top.get("error").is_some_and(|e| e.get() != "null") {
+    let MapOnly(fast) = serde_json::from_slice::<MapOnly<FastBody>>(body).ok()?;
+    if fast.error.is_some() {
         return None;
     }
-    let choices: Vec<&serde_json::value::RawValue> =
-        serde_json::from_str(top.get("choices")?.get()).ok()?;
-    let choice: RawObject = serde_json::from_str(choices.first()?.get()).ok()?;
-    let message: RawObject = serde_json::from_str(choice.get("message")?.get()).ok()?;
-    let content: String = serde_json::from_str(message.get("content")?.get()).ok()?;
-    let finish_reason = match choice.get("finish_reason") {
-        Some(r) => serde_json::from_str::<Option<String>>(r.get())
-            .ok()?
-            .unwrap_or_default(),
-        None => String::new(),
-    };
-    let raw: Option<Value> = match top.get("usage") {
-        Some(u) => Some(serde_json::from_str(u.get()).ok()?),
-        None => None,
-    };
+    let FirstChoice(choice) = fast.choices;
+    let raw = fast.usage.filter(|u| !u.is_null());
     let usage = raw.as_ref().and_then(usage_of);
     Some(Outcome {
         usage,
         raw_usage: usage.and(raw),
         result: Ok(Completion {
-            content,
-            finish_reason,
+            content: choice.message.0.content,
+            finish_reason: choice.finish_reason.unwrap_or_default(),
         }),
     })
 }
