@@ -98,8 +98,9 @@ const QUIET_FOR: Duration = Duration::from_millis(25);
 /// other processes wait for it) lets a release within that share go straight to a local
 /// waiter without asking again. Longer than [`QUIET_FOR`]: a process within its share
 /// takes nothing from anyone, and one asking per job's worth of releases would cost the
-/// fleet a release script per job; a process that starts waiting gets its first slot
-/// from one above its new share within about this plus a round trip.
+/// fleet a release script per job. The script keeps by share only while the queue's
+/// head holds a slot, so a process that starts waiting is served in queue order; this
+/// bounds how stale the word it is served by may be.
 const SHARE_FOR: Duration = Duration::from_millis(100);
 
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).

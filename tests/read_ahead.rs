@@ -48,6 +48,29 @@ impl Bed {
         })
     }
 
+    /// Pushes a keyed job ("first") and then one without an id; the latter's entry id.
+    async fn push_first_and_idless(&mut self) -> anyhow::Result<String> {
+        push(&mut self.conn, "llm", &[job("first", "hi")]).await;
+        let idless =
+            serde_json::json!({"messages": [{"role": "user", "content": "later"}]}).to_string();
+        Ok(self
+            .conn
+            .xadd("{llm}:jobs", "*", &[("payload", idless.as_str())])
+            .await?)
+    }
+
+    /// Starts worker `w1` (concurrency 1, read-ahead 1) and waits until the first job
+    /// calls and the id-less one waits, read ahead.
+    async fn spawn_with_idless_read_ahead(&self, env: &[(&str, &str)]) -> WorkerProc {
+        let w = WorkerProc::spawn(&self.cfg, "w1", env);
+        assert!(
+            self.wait_held(2, 1).await,
+            "the id-less job read ahead while the first calls\n{}",
+            w.log()
+        );
+        w
+    }
+
     fn total_calls(&self) -> u64 {
         self.sim.sim.stats().calls_per_job.values().sum()
     }
@@ -157,20 +180,8 @@ async fn sigterm_hands_back_the_entries_read_ahead_without_a_call() -> anyhow::R
 async fn a_cancel_set_while_a_job_waits_read_ahead_stops_it_before_any_call() -> anyhow::Result<()>
 {
     let mut bed = Bed::new(1500, 1, 1).await?;
-    let first = job("first", "hi");
-    let idless =
-        serde_json::json!({"messages": [{"role": "user", "content": "later"}]}).to_string();
-    push(&mut bed.conn, "llm", &[first]).await;
-    let later: String = bed
-        .conn
-        .xadd("{llm}:jobs", "*", &[("payload", idless.as_str())])
-        .await?;
-    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
-    assert!(
-        bed.wait_held(2, 1).await,
-        "the id-less job read ahead while the first calls\n{}",
-        w.log()
-    );
+    let later = bed.push_first_and_idless().await?;
+    let mut w = bed.spawn_with_idless_read_ahead(&[]).await;
     let _: () = bed
         .conn
         .set_ex(format!("{{llm}}:cancel:{later}"), 1, 60)
@@ -231,23 +242,12 @@ async fn an_entry_read_ahead_is_kept_ours_while_it_waits() -> anyhow::Result<()>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_found_with_the_entry_holds_when_the_re_read_fails() -> anyhow::Result<()> {
     let mut bed = Bed::new(1500, 1, 1).await?;
-    push(&mut bed.conn, "llm", &[job("first", "hi")]).await;
-    let idless =
-        serde_json::json!({"messages": [{"role": "user", "content": "later"}]}).to_string();
-    let later: String = bed
-        .conn
-        .xadd("{llm}:jobs", "*", &[("payload", idless.as_str())])
-        .await?;
+    let later = bed.push_first_and_idless().await?;
     let _: () = bed
         .conn
         .set_ex(format!("{{llm}}:cancel:{later}"), 1, 60)
         .await?;
-    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
-    assert!(
-        bed.wait_held(2, 1).await,
-        "the id-less job read ahead while the first calls\n{}",
-        w.log()
-    );
+    let mut w = bed.spawn_with_idless_read_ahead(&[]).await;
     // From now on every read of a cancel marker is refused (an ACL that allows every key
     // of the namespace but `cancel:*`): the re-read after the wait fails, and so do the
     // cancel watcher's polls.
@@ -287,20 +287,9 @@ async fn a_cancel_found_with_the_entry_holds_when_the_re_read_fails() -> anyhow:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_held_long_checks_its_entry_is_still_ours_before_its_call() -> anyhow::Result<()> {
     let mut bed = Bed::new(2500, 1, 1).await?;
-    push(&mut bed.conn, "llm", &[job("first", "hi")]).await;
-    let idless =
-        serde_json::json!({"messages": [{"role": "user", "content": "later"}]}).to_string();
-    let later: String = bed
-        .conn
-        .xadd("{llm}:jobs", "*", &[("payload", idless.as_str())])
-        .await?;
+    let later = bed.push_first_and_idless().await?;
     let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "3000")];
-    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &env);
-    assert!(
-        bed.wait_held(2, 1).await,
-        "the id-less job read ahead while the first calls\n{}",
-        w.log()
-    );
+    let mut w = bed.spawn_with_idless_read_ahead(&env).await;
     tokio::time::sleep(Duration::from_millis(2300)).await;
     xclaim(&mut bed.conn, "thief", &later, 0, 1).await;
     context(
