@@ -10,7 +10,7 @@
 
 use crate::config::Config;
 use crate::connect::Commands;
-use crate::sync::lock;
+use crate::sync::{FastMap, lock};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,9 +40,54 @@ struct Inner {
     ns: String,
     conn: Commands,
     /// Key (`m:<model>` / `p:<provider>`) -> when it ends.
-    known: Mutex<HashMap<String, Instant>>,
-    /// Per model, this process's recent calls: (when, failed).
-    recent: Mutex<HashMap<String, Vec<(Instant, bool)>>>,
+    known: Mutex<FastMap<String, Instant>>,
+    /// Per model, this process's recent calls.
+    recent: Mutex<FastMap<String, RecentCalls>>,
+}
+
+/// How long a call counts toward [`FAILING_MIN_CALLS`].
+const RECENT_WINDOW: Duration = Duration::from_secs(60);
+/// Most calls of a model kept: the newest ones decide.
+const RECENT_KEPT: usize = 4 * FAILING_MIN_CALLS;
+
+/// One model's last calls in this process, oldest first, and how many of them failed.
+/// Invariants: `calls` is in order of `when` (each is recorded under the lock with the
+/// time read there), holds at most [`RECENT_KEPT`], and `fails` counts its failed ones;
+/// so dropping the stale ones is popping from the front, and nothing is rescanned per
+/// call (this runs on every successful call).
+#[derive(Default)]
+struct RecentCalls {
+    calls: std::collections::VecDeque<(Instant, bool)>,
+    fails: usize,
+}
+
+impl RecentCalls {
+    /// Records a call made at `now` (no earlier than the last one recorded); true when
+    /// at least [`FAILING_MIN_CALLS`] calls of the last [`RECENT_WINDOW`] are kept and
+    /// more than half of them failed. Then the count starts afresh.
+    fn record(&mut self, now: Instant, failed: bool) -> bool {
+        while let Some(&(t, f)) = self.calls.front() {
+            if now.duration_since(t) < RECENT_WINDOW {
+                break;
+            }
+            self.calls.pop_front();
+            self.fails -= usize::from(f);
+        }
+        self.calls.push_back((now, failed));
+        self.fails += usize::from(failed);
+        if self.calls.len() > RECENT_KEPT
+            && let Some((_, f)) = self.calls.pop_front()
+        {
+            self.fails -= usize::from(f);
+        }
+        let tripped = self.calls.len() >= FAILING_MIN_CALLS && self.fails * 2 > self.calls.len();
+        if tripped {
+            // start counting afresh after the cooldown
+            self.calls.clear();
+            self.fails = 0;
+        }
+        tripped
+    }
 }
 
 fn key_of(kind: char, name: &str) -> String {
@@ -55,8 +100,8 @@ impl Cooldowns {
             inner: Arc::new(Inner {
                 ns: cfg.queue.namespace.clone(),
                 conn,
-                known: Mutex::new(HashMap::new()),
-                recent: Mutex::new(HashMap::new()),
+                known: Mutex::default(),
+                recent: Mutex::default(),
             }),
         }
     }
@@ -111,24 +156,15 @@ impl Cooldowns {
     /// Records one call of `model`; true when the model now fails most of its recent
     /// calls (the caller puts it in a [`FAILING`] cooldown).
     pub fn record(&self, model: &str, failed: bool) -> bool {
-        let now = Instant::now();
         let mut recent = lock(&self.inner.recent);
-        if !recent.contains_key(model) {
-            recent.insert(model.to_string(), Vec::new());
+        // The time is read under the lock, so each model's calls stay in order.
+        let now = Instant::now();
+        if let Some(calls) = recent.get_mut(model) {
+            return calls.record(now, failed);
         }
-        let Some(calls) = recent.get_mut(model) else {
-            return false;
-        };
-        calls.retain(|(t, _)| now.duration_since(*t) < Duration::from_secs(60));
-        calls.push((now, failed));
-        if calls.len() > 4 * FAILING_MIN_CALLS {
-            calls.remove(0);
-        }
-        let fails = calls.iter().filter(|(_, f)| *f).count();
-        let tripped = calls.len() >= FAILING_MIN_CALLS && fails * 2 > calls.len();
-        if tripped {
-            calls.clear(); // start counting afresh after the cooldown
-        }
+        let mut calls = RecentCalls::default();
+        let tripped = calls.record(now, failed);
+        recent.insert(model.to_string(), calls);
         tripped
     }
 
@@ -138,7 +174,7 @@ impl Cooldowns {
     pub async fn refresh(&self) {
         if let Ok(list) = self.list().await {
             let now = Instant::now();
-            let fresh: HashMap<String, Instant> = list
+            let fresh: FastMap<String, Instant> = list
                 .into_iter()
                 .map(|(k, ms, _)| (k, now + Duration::from_millis(ms)))
                 .collect();
@@ -197,4 +233,65 @@ pub async fn list_with<C: redis::aio::ConnectionLike + Send>(
         .collect();
     out.sort();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The rule as it was first written: keep the calls of the last minute, add this one,
+    /// keep the newest [`RECENT_KEPT`], count the failed ones again.
+    fn by_rescan(calls: &mut Vec<(Instant, bool)>, now: Instant, failed: bool) -> bool {
+        calls.retain(|(t, _)| now.duration_since(*t) < RECENT_WINDOW);
+        calls.push((now, failed));
+        if calls.len() > RECENT_KEPT {
+            calls.remove(0);
+        }
+        let fails = calls.iter().filter(|(_, f)| *f).count();
+        let tripped = calls.len() >= FAILING_MIN_CALLS && fails * 2 > calls.len();
+        if tripped {
+            calls.clear();
+        }
+        tripped
+    }
+
+    #[test]
+    fn six_failures_of_ten_trip_and_the_count_starts_afresh() {
+        let t0 = Instant::now();
+        let mut r = RecentCalls::default();
+        for i in 0..4 {
+            assert!(!r.record(t0 + Duration::from_millis(i), false));
+        }
+        for i in 4..9 {
+            assert!(!r.record(t0 + Duration::from_millis(i), true), "call {i}");
+        }
+        // the tenth call, the sixth failure: 6 of 10
+        assert!(r.record(t0 + Duration::from_millis(9), true));
+        assert_eq!((r.calls.len(), r.fails), (0, 0));
+        // failures older than the window do not count
+        for i in 0..9 {
+            assert!(!r.record(t0 + Duration::from_secs(1) + Duration::from_millis(i), true));
+        }
+        let later = t0 + Duration::from_secs(62);
+        assert!(!r.record(later, true));
+        assert_eq!((r.calls.len(), r.fails), (1, 1));
+    }
+
+    proptest! {
+        /// Same answers as the rescan on any sequence of calls: gaps from none to over the
+        /// window, any mix of failures, more calls than are kept.
+        #[test]
+        fn answers_as_the_rescan_does(steps in proptest::collection::vec((0u64..70_000, any::<bool>()), 1..300)) {
+            let mut now = Instant::now();
+            let mut fast = RecentCalls::default();
+            let mut slow = Vec::new();
+            for (gap_ms, failed) in steps {
+                now += Duration::from_millis(gap_ms % 3 * gap_ms / 2);
+                prop_assert_eq!(fast.record(now, failed), by_rescan(&mut slow, now, failed));
+                prop_assert_eq!(fast.calls.iter().copied().collect::<Vec<_>>(), slow.clone());
+                prop_assert_eq!(fast.fails, slow.iter().filter(|(_, f)| *f).count());
+            }
+        }
+    }
 }

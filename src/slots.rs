@@ -56,9 +56,9 @@
 use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::connect::{Commands, ConnectError, blocking_connection};
-use crate::sync::lock;
+use crate::sync::{FastMap, lock};
 use redis::aio::MultiplexedConnection;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -345,8 +345,8 @@ struct Inner {
     ttl: Duration,
     /// Lease of a slot handed to a waiter, until it picks it up.
     handoff: Duration,
-    pools: HashMap<String, PoolState>,
-    held: Mutex<HashMap<String, Held>>,
+    pools: FastMap<String, PoolState>,
+    held: Mutex<FastMap<String, Held>>,
     driver_wake: Notify,
     next_waiter: AtomicU64,
     stopped: AtomicBool,
@@ -441,7 +441,7 @@ impl Slots {
     /// Records (or reads) each pool's fleet-wide N and prepares the scripts. Needs Redis.
     pub async fn connect(cfg: &Config, conn: Commands) -> Result<Slots, SlotError> {
         let keys = SlotKeys::new(&cfg.queue.namespace);
-        let mut pools = HashMap::new();
+        let mut pools = FastMap::default();
         {
             let mut c = conn.get().await?;
             for (name, pc) in &cfg.pools {
@@ -517,7 +517,7 @@ impl Slots {
                 ttl: cfg.slots.ttl_ms,
                 handoff: HANDOFF_LEASE.min(cfg.slots.ttl_ms),
                 pools,
-                held: Mutex::new(HashMap::new()),
+                held: Mutex::default(),
                 driver_wake: Notify::new(),
                 next_waiter: AtomicU64::new(0),
                 stopped: AtomicBool::new(false),

@@ -174,6 +174,13 @@ pub fn write_config(
         + &read_ahead
             .map(|r| format!("read_ahead = {r}\n"))
             .unwrap_or_default();
+    // Diagnostics only: `LLM_BENCH_WORKER_EXTRA` adds lines to `[worker]` (e.g.
+    // "threads = 2"), so a variant can be compared without a rebuild. The table's
+    // scenarios never set it.
+    let conc = conc
+        + &std::env::var("LLM_BENCH_WORKER_EXTRA")
+            .map(|e| e.replace("\\n", "\n") + "\n")
+            .unwrap_or_default();
     let listen = http_port
         .map(|p| format!("127.0.0.1:{p}"))
         .unwrap_or_default();

@@ -42,7 +42,8 @@ use crate::provider::{self, ProviderClient};
 use crate::queue::Queue;
 use crate::router::RetryPolicy;
 use crate::slots::Slots;
-use std::collections::{HashMap, VecDeque};
+use crate::sync::{FastMap, FastSet};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
@@ -60,15 +61,15 @@ pub struct Worker {
     cfg: Arc<Config>,
     queue: Queue,
     slots: Slots,
-    providers: HashMap<String, Arc<ProviderClient>>,
-    prices: HashMap<String, Price>,
+    providers: FastMap<String, Arc<ProviderClient>>,
+    prices: FastMap<String, Price>,
     policy: RetryPolicy,
     pub state: Arc<WorkerState>,
     /// Entries this process is working on: entry id -> job id (for keepalive; empty until
     /// the payload is parsed). An entry is added when its task is spawned and removed by
     /// the task's [`JobGuard`] on any exit (return, panic, cancellation), so keepalive
     /// never keeps alive an entry nobody works on, and no second task starts on it.
-    active: Mutex<HashMap<String, String>>,
+    active: Mutex<FastMap<String, String>>,
     /// Entries whose task ended settled (committed, or found committed elsewhere), the
     /// last [`RECENTLY_FINISHED`] of them, with when: a reclaim racing that commit may
     /// still return one, and it must not start again. Only a reclaim that began before
@@ -79,26 +80,26 @@ pub struct Worker {
     /// Entries of `active` the keepalive found no longer pending under this worker (taken
     /// over by another after a pause, or acknowledged elsewhere): a job not yet calling
     /// must not call (another worker owns it and may be calling already).
-    taken_over: Mutex<std::collections::HashSet<String>>,
+    taken_over: Mutex<FastSet<String>>,
     /// Entries of `active` whose job claimed its producer id (`lua/claim_id.lua`): only
     /// their in-progress markers are kept by the keepalive.
-    claimed: Mutex<std::collections::HashSet<String>>,
+    claimed: Mutex<FastSet<String>>,
     /// Each running job's stop switch, by entry id: (job id, token). The cancel watcher
     /// ([`keepalive`]) fires the token of a job whose id got a cancel marker; the job's
     /// loop ends on it (or on its `deadline_ms`) with its call aborted. Registered once
     /// the payload is parsed, removed by the [`JobGuard`].
-    stops: Mutex<HashMap<String, (String, CancellationToken)>>,
+    stops: Mutex<FastMap<String, (String, CancellationToken)>>,
     /// The job permit of each task being worked on, by entry id: taken before the parse
     /// (a task read ahead waits for one), given back at the decision (so the next job
     /// starts while this one commits), or by a copy of a busy job id while it waits
     /// (`wait_for_busy_id`); the guard drops the rest.
-    permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
+    permits: Mutex<FastMap<String, OwnedSemaphorePermit>>,
     /// At most `worker.concurrency` job tasks hold a job permit.
     sem: Arc<Semaphore>,
     /// The read permit of each task, by entry id, from its read to its end (commit
     /// included): the reader reads only for a free one. A copy of a busy job id gives
     /// it back while it waits, as it does its job permit.
-    read_permits: Mutex<HashMap<String, OwnedSemaphorePermit>>,
+    read_permits: Mutex<FastMap<String, OwnedSemaphorePermit>>,
     /// `worker.concurrency + worker.read_ahead` read permits: entries this process holds
     /// (worked on, read ahead and waiting, or committing), copies of busy ids aside.
     read_sem: Arc<Semaphore>,
@@ -131,7 +132,7 @@ pub struct Worker {
     tenants: crate::tenants::Tenants,
     /// Per configured model, its /metrics handles (registered once: a call records
     /// without building label strings).
-    model_metrics: HashMap<String, ModelMetrics>,
+    model_metrics: FastMap<String, ModelMetrics>,
     /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
     /// takes no new jobs (each paused job pushes it on while it still waits).
     paused_until: Mutex<Option<Instant>>,
@@ -188,7 +189,7 @@ impl Worker {
         let cfg_concurrency = cfg.worker.concurrency();
         let cfg_read_ahead = cfg.worker.read_ahead();
         let cfg_models: Vec<String> = cfg.models.keys().cloned().collect();
-        let mut providers = HashMap::new();
+        let mut providers = FastMap::default();
         for (name, p) in &cfg.providers {
             providers.insert(name.clone(), Arc::new(ProviderClient::new(name, p)?));
         }
@@ -221,14 +222,14 @@ impl Worker {
             prices,
             policy,
             state: Arc::new(WorkerState::default()),
-            active: Mutex::new(HashMap::new()),
+            active: Mutex::default(),
             finished: Mutex::new(Recent::default()),
-            taken_over: Mutex::new(std::collections::HashSet::new()),
-            claimed: Mutex::new(std::collections::HashSet::new()),
-            stops: Mutex::new(HashMap::new()),
-            permits: Mutex::new(HashMap::new()),
+            taken_over: Mutex::default(),
+            claimed: Mutex::default(),
+            stops: Mutex::default(),
+            permits: Mutex::default(),
             sem: Arc::new(Semaphore::new(cfg_concurrency)),
-            read_permits: Mutex::new(HashMap::new()),
+            read_permits: Mutex::default(),
             read_sem: Arc::new(Semaphore::new(cfg_concurrency + cfg_read_ahead)),
             draining: CancellationToken::new(),
             reader_stopped: CancellationToken::new(),
@@ -258,7 +259,7 @@ pub const RECENTLY_FINISHED: usize = 4096;
 #[derive(Default)]
 struct Recent {
     order: VecDeque<String>,
-    set: HashMap<String, Instant>,
+    set: FastMap<String, Instant>,
 }
 
 impl Recent {
