@@ -40,7 +40,7 @@ struct Inner {
     ns: String,
     conn: Commands,
     /// Key (`m:<model>` / `p:<provider>`) -> when it ends.
-    known: Mutex<FastMap<String, Instant>>,
+    known: Mutex<HashMap<String, Instant>>,
     /// Per model, this process's recent calls.
     recent: Mutex<FastMap<String, RecentCalls>>,
 }
@@ -54,7 +54,7 @@ const RECENT_KEPT: usize = 4 * FAILING_MIN_CALLS;
 /// Invariants: `calls` is in order of `when` (each is recorded under the lock with the
 /// time read there), holds at most [`RECENT_KEPT`], and `fails` counts its failed ones;
 /// so dropping the stale ones is popping from the front, and nothing is rescanned per
-/// call (this runs on every successful call).
+/// call (this runs on every call that succeeds or fails transiently).
 #[derive(Default)]
 struct RecentCalls {
     calls: std::collections::VecDeque<(Instant, bool)>,
@@ -174,7 +174,7 @@ impl Cooldowns {
     pub async fn refresh(&self) {
         if let Ok(list) = self.list().await {
             let now = Instant::now();
-            let fresh: FastMap<String, Instant> = list
+            let fresh: HashMap<String, Instant> = list
                 .into_iter()
                 .map(|(k, ms, _)| (k, now + Duration::from_millis(ms)))
                 .collect();
@@ -278,20 +278,88 @@ mod tests {
         assert_eq!((r.calls.len(), r.fails), (1, 1));
     }
 
+    #[test]
+    fn the_forty_first_call_in_a_minute_pushes_out_the_oldest() {
+        let t0 = Instant::now();
+        let mut r = RecentCalls::default();
+        // one failure first, then successes: it must leave when the 41st call comes
+        assert!(!r.record(t0, true));
+        for i in 1..RECENT_KEPT as u64 {
+            assert!(!r.record(t0 + Duration::from_millis(i), false));
+        }
+        assert_eq!((r.calls.len(), r.fails), (RECENT_KEPT, 1));
+        assert!(!r.record(t0 + Duration::from_millis(100), false));
+        assert_eq!((r.calls.len(), r.fails), (RECENT_KEPT, 0));
+    }
+
+    #[test]
+    fn a_call_exactly_a_window_old_no_longer_counts() {
+        let t0 = Instant::now();
+        let mut r = RecentCalls::default();
+        assert!(!r.record(t0, true));
+        assert!(!r.record(t0 + RECENT_WINDOW - Duration::from_millis(1), false));
+        assert_eq!(r.calls.len(), 2);
+        assert!(!r.record(t0 + RECENT_WINDOW, false));
+        assert_eq!((r.calls.len(), r.fails), (2, 0));
+    }
+
+    /// Calls as (gap since the last one in ms, failed): bursts (no gap, or a few
+    /// milliseconds) that fill the window past what is kept, gaps up to and over the
+    /// window (exactly the window included), mostly successes so that runs go long
+    /// without a trip, and runs of failures that trip.
+    fn calls(len: std::ops::Range<usize>) -> impl Strategy<Value = Vec<(u64, bool)>> {
+        proptest::collection::vec(
+            (
+                prop_oneof![
+                    10 => Just(0u64),
+                    10 => 0u64..2_000,
+                    1 => 0u64..70_000,
+                    1 => Just(RECENT_WINDOW.as_millis() as u64),
+                ],
+                prop_oneof![4 => Just(false), 1 => Just(true)],
+            ),
+            len,
+        )
+    }
+
     proptest! {
-        /// Same answers as the rescan on any sequence of calls: gaps from none to over the
-        /// window, any mix of failures, more calls than are kept.
+        /// Same answers as the rescan on any sequence of [`calls`].
         #[test]
-        fn answers_as_the_rescan_does(steps in proptest::collection::vec((0u64..70_000, any::<bool>()), 1..300)) {
+        fn answers_as_the_rescan_does(steps in calls(1..400)) {
             let mut now = Instant::now();
             let mut fast = RecentCalls::default();
             let mut slow = Vec::new();
             for (gap_ms, failed) in steps {
-                now += Duration::from_millis(gap_ms % 3 * gap_ms / 2);
+                now += Duration::from_millis(gap_ms);
                 prop_assert_eq!(fast.record(now, failed), by_rescan(&mut slow, now, failed));
                 prop_assert_eq!(fast.calls.iter().copied().collect::<Vec<_>>(), slow.clone());
                 prop_assert_eq!(fast.fails, slow.iter().filter(|(_, f)| *f).count());
             }
         }
+    }
+
+    /// [`calls`] does fill the window to the cap, and does trip (else the proptest would
+    /// not cover them).
+    #[test]
+    fn the_proptest_reaches_the_cap() {
+        use proptest::strategy::ValueTree;
+        use proptest::test_runner::TestRunner;
+        let strat = calls(300..400);
+        let mut runner = TestRunner::deterministic();
+        let (mut full, mut tripped) = (0, 0);
+        for _ in 0..50 {
+            let steps = strat.new_tree(&mut runner).expect("a case").current();
+            let (mut now, mut slow) = (Instant::now(), Vec::new());
+            let (mut longest, mut trips) = (0, 0);
+            for (gap_ms, failed) in steps {
+                now += Duration::from_millis(gap_ms);
+                trips += usize::from(by_rescan(&mut slow, now, failed));
+                longest = longest.max(slow.len());
+            }
+            full += usize::from(longest == RECENT_KEPT);
+            tripped += usize::from(trips > 0);
+        }
+        assert!(full >= 10, "only {full} of 50 cases filled the window");
+        assert!(tripped >= 5, "only {tripped} of 50 cases tripped");
     }
 }

@@ -39,6 +39,12 @@ struct Args {
     /// table shows the pair whose jobs/s ratio is the median, and a row of every ratio.
     #[arg(long, default_value_t = 1)]
     pairs: usize,
+    /// Diagnostics: TOML lines added to llm-worker's `[worker]` table in every run (e.g.
+    /// "threads = 2"), to compare a variant without a rebuild. Only with `--only` (the
+    /// full table is always the defaults), never a key a scenario sets itself
+    /// (`concurrency`, `read_ahead`); printed under the table and kept in the JSON.
+    #[arg(long, requires = "only")]
+    worker_extra: Option<String>,
 }
 
 struct Sizes {
@@ -163,10 +169,25 @@ async fn main() -> anyhow::Result<()> {
         daemon: std::fs::canonicalize(&args.daemon)?,
         peer: std::fs::canonicalize(&args.peer)?,
         dir: dir.clone(),
+        worker_extra: args.worker_extra.clone(),
     };
     let started = tokio::time::Instant::now();
     let mut all: Vec<Outcome> = Vec::new();
     let mut rep = Report::default();
+    if let Some(extra) = &args.worker_extra {
+        for line in extra.lines() {
+            let key = line.split('=').next().unwrap_or("").trim();
+            anyhow::ensure!(
+                !["concurrency", "read_ahead"].contains(&key)
+                    && !line.trim_start().starts_with('['),
+                "--worker-extra line {line:?}: the scenarios set `concurrency` and `read_ahead` themselves, and the lines go into `[worker]` (no table headers)"
+            );
+        }
+        rep.note(format!(
+            "llm-worker ran with these lines added to [worker] (--worker-extra, diagnostics): {}",
+            extra.lines().collect::<Vec<_>>().join("; ")
+        ));
+    }
     use Subject::{Llm, Peer};
 
     // (a) 0 ms model, 1 worker, concurrency 64, N=64.
@@ -653,6 +674,9 @@ async fn main() -> anyhow::Result<()> {
     }
     rep.json.insert("runs".into(), serde_json::to_value(&all)?);
     rep.json.insert("quick".into(), args.quick.into());
+    if let Some(extra) = &args.worker_extra {
+        rep.json.insert("worker_extra".into(), extra.clone().into());
+    }
     rep.json
         .insert("seconds".into(), started.elapsed().as_secs_f64().into());
     rep.json.insert("machine".into(), report::machine().into());

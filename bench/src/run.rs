@@ -42,6 +42,8 @@ pub struct Env {
     pub daemon: PathBuf,
     pub peer: PathBuf,
     pub dir: PathBuf,
+    /// `--worker-extra`: lines for llm-worker's `[worker]` table (diagnostics).
+    pub worker_extra: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -155,7 +157,9 @@ pub fn write_config(
     sim_port: u16,
     http_port: Option<u16>,
     slots: u32,
-    (concurrency, read_ahead): (Option<usize>, Option<usize>),
+    // `[worker]`: concurrency, read_ahead (None: the daemon's default, key left out),
+    // lines added as they are (`--worker-extra`).
+    (concurrency, read_ahead, worker_extra): (Option<usize>, Option<usize>, Option<&str>),
     quotas: bool,
 ) -> anyhow::Result<()> {
     // Limits far above what a run can reach: every check runs, none holds a job back.
@@ -174,13 +178,7 @@ pub fn write_config(
         + &read_ahead
             .map(|r| format!("read_ahead = {r}\n"))
             .unwrap_or_default();
-    // Diagnostics only: `LLM_BENCH_WORKER_EXTRA` adds lines to `[worker]` (e.g.
-    // "threads = 2"), so a variant can be compared without a rebuild. The table's
-    // scenarios never set it.
-    let conc = conc
-        + &std::env::var("LLM_BENCH_WORKER_EXTRA")
-            .map(|e| e.replace("\\n", "\n") + "\n")
-            .unwrap_or_default();
+    let conc = conc + &worker_extra.map(|e| format!("{e}\n")).unwrap_or_default();
     let listen = http_port
         .map(|p| format!("127.0.0.1:{p}"))
         .unwrap_or_default();
@@ -301,7 +299,7 @@ pub fn spawn_worker(
                 sim_port,
                 Some(http_port),
                 spec_slots,
-                (concurrency, read_ahead),
+                (concurrency, read_ahead, env.worker_extra.as_deref()),
                 quotas,
             )?;
             let mut cmd = Command::new(&env.daemon);
