@@ -578,8 +578,12 @@ fn classify_ok_fast(body: &[u8]) -> Option<Outcome> {
     // First the whole body as the full read checks it (nesting depth, numbers in range,
     // escapes that make characters), with nothing built: the typed read below skips
     // members, and would let through what the full read refuses in a member it skips.
-    serde_json::from_slice::<Checked>(body).ok()?;
-    let MapOnly(fast) = serde_json::from_slice::<MapOnly<FastBody>>(body).ok()?;
+    // Both reads from text checked once as UTF-8: from bytes, serde_json checks each
+    // string on its own, in each read (about 40 checks a job). A body that is not UTF-8
+    // is not the common answer; the full read decides what it is.
+    let text = std::str::from_utf8(body).ok()?;
+    serde_json::from_str::<Checked>(text).ok()?;
+    let MapOnly(fast) = serde_json::from_str::<MapOnly<FastBody>>(text).ok()?;
     if fast.error.is_some() {
         return None;
     }
@@ -876,6 +880,26 @@ mod tests {
             bodies[0], bodies[1], bodies[10], bodies[16], bodies[19], bodies[24],
         ] {
             assert!(classify_ok_fast(b.as_bytes()).is_some(), "body {b}");
+        }
+    }
+
+    /// A body that is not UTF-8, in the content or in a member the fast read skips: the
+    /// fast read leaves it to the full read, which refuses it as JSON (no usage billed).
+    #[test]
+    fn a_body_that_is_not_utf8_is_left_to_the_full_read() {
+        let bodies: [&[u8]; 3] = [
+            b"{\"choices\":[{\"message\":{\"content\":\"a\xff\"}}],\"usage\":{\"prompt_tokens\":9}}",
+            b"{\"id\":\"\xc0\x80\",\"choices\":[{\"message\":{\"content\":\"a\"}}],\"usage\":{\"prompt_tokens\":9}}",
+            b"{\"choices\":[{\"message\":{\"content\":\"a\"}}],\"usage\":{\"prompt_tokens\":9},\"x\":\"\xed\xa0\x80\"}",
+        ];
+        for b in bodies {
+            assert!(
+                classify_ok_fast(b).is_none(),
+                "{}",
+                String::from_utf8_lossy(b)
+            );
+            let out = classify(StatusCode::OK, &HeaderMap::new(), b, SystemTime::UNIX_EPOCH);
+            assert!(out.result.is_err() && out.usage.is_none(), "{out:?}");
         }
     }
 
