@@ -442,8 +442,22 @@ impl Commit {
     }
 }
 
+/// The queue's handle: one `Arc` clone. A commit batch's sender task takes one per
+/// batch ([`Queue::commit_shared`]), so cloning must not copy the key names or the
+/// scripts' sources (commit.lua alone is 17 KB: a copy per batch cost a quarter of the
+/// worker's `memcpy` at a 200 ms model).
 #[derive(Clone)]
-pub struct Queue {
+pub struct Queue(Arc<QueueInner>);
+
+impl std::ops::Deref for Queue {
+    type Target = QueueInner;
+    fn deref(&self) -> &QueueInner {
+        &self.0
+    }
+}
+
+/// What a [`Queue`] holds; read through the handle.
+pub struct QueueInner {
     pub keys: Keys,
     conn: Commands,
     group: String,
@@ -452,10 +466,10 @@ pub struct Queue {
     /// `queue.dedupe_ttl_s` in whole seconds (the scripts' EX unit).
     dedupe_ttl_s: u64,
     delete_acked: bool,
-    commit_script: redis::Script,
-    claim_id_script: redis::Script,
-    keepalive_script: redis::Script,
-    reclaim_script: redis::Script,
+    commit_script: &'static redis::Script,
+    claim_id_script: &'static redis::Script,
+    keepalive_script: &'static redis::Script,
+    reclaim_script: &'static redis::Script,
     claim_idle_ms: u64,
     /// Commits waiting to be sent together ([`Queue::commit_shared`]).
     line: Arc<std::sync::Mutex<CommitLine>>,
@@ -522,7 +536,7 @@ pub struct Reclaimed {
 
 impl Queue {
     pub fn new(cfg: &Config, conn: Commands) -> Queue {
-        Queue {
+        Queue(Arc::new(QueueInner {
             keys: Keys::new(&cfg.queue.namespace),
             conn,
             group: cfg.queue.group.clone(),
@@ -530,14 +544,14 @@ impl Queue {
             results_maxlen: cfg.queue.results_maxlen,
             dedupe_ttl_s: cfg.queue.dedupe_ttl_s.as_secs(),
             delete_acked: cfg.queue.delete_acked,
-            commit_script: scripts::COMMIT.clone(),
-            claim_id_script: scripts::CLAIM_ID.clone(),
-            keepalive_script: scripts::KEEPALIVE.clone(),
-            reclaim_script: scripts::RECLAIM.clone(),
+            commit_script: &scripts::COMMIT,
+            claim_id_script: &scripts::CLAIM_ID,
+            keepalive_script: &scripts::KEEPALIVE,
+            reclaim_script: &scripts::RECLAIM,
             claim_idle_ms: u64::try_from(cfg.queue.claim_idle_ms.as_millis()).unwrap_or(u64::MAX),
             line: Default::default(),
             reported_deleted: Default::default(),
-        }
+        }))
     }
 
     pub fn consumer(&self) -> &str {
@@ -641,7 +655,7 @@ impl Queue {
         &self,
         commits: &[&Commit],
     ) -> Result<Vec<Result<CommitOutcome, QueueError>>, QueueError> {
-        let mut inv = crate::scripts::Call::new(&self.commit_script);
+        let mut inv = crate::scripts::Call::new(self.commit_script);
         let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
         inv.key(&self.keys.jobs)
             .key(&self.keys.results)
@@ -885,7 +899,7 @@ impl Queue {
     /// The idempotency check for `job_id` (see `lua/claim_id.lua`).
     pub async fn claim_id(&self, job_id: &str, entry_id: &str) -> Result<IdClaim, QueueError> {
         let mut conn = self.conn.get().await?;
-        let (kind, val): (String, String) = crate::scripts::Call::new(&self.claim_id_script)
+        let (kind, val): (String, String) = crate::scripts::Call::new(self.claim_id_script)
             .key(self.keys.done(job_id))
             .key(self.keys.inflight(job_id))
             .key(self.keys.cancel(job_id))
@@ -964,7 +978,7 @@ impl Queue {
 
     /// One call of `lua/keepalive.lua`.
     async fn heartbeat(&self, entries: &[(String, String)]) -> Result<Heartbeat, QueueError> {
-        let mut inv = crate::scripts::Call::new(&self.keepalive_script);
+        let mut inv = crate::scripts::Call::new(self.keepalive_script);
         inv.key(&self.keys.jobs)
             .key(format!("{}:heartbeat", self.keys.prefix))
             .key(format!("{}:stalled", self.keys.prefix))
@@ -1037,7 +1051,7 @@ impl Queue {
             // Raw (`AutoClaimReply`): one entry the typed reply cannot hold must not fail
             // every reclaim from now on.
             let (stalled, reply, counts): (i64, AutoClaimReply, Vec<u64>) =
-                crate::scripts::Call::new(&self.reclaim_script)
+                crate::scripts::Call::new(self.reclaim_script)
                     .key(&self.keys.jobs)
                     .key(format!("{}:heartbeat", self.keys.prefix))
                     .key(format!("{}:stalled", self.keys.prefix))
@@ -1464,6 +1478,17 @@ mod debug_hooks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_queue_handle_is_one_pointer() {
+        // Each commit batch's sender task takes a clone: it must copy neither the key
+        // names nor a script's source (commit.lua is 17 KB).
+        assert_eq!(std::mem::size_of::<Queue>(), std::mem::size_of::<usize>());
+        assert!(
+            scripts::COMMIT.get_hash().len() == 40
+                && include_str!("../../lua/commit.lua").len() > 10_000
+        );
+    }
 
     #[test]
     fn a_commit_refused_by_a_passing_server_state_heals() {
