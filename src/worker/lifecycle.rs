@@ -2004,7 +2004,7 @@ impl Drop for JobGuard {
         let w = &self.worker;
         if self.settled {
             // Before leaving `active`: the reader never sees the entry in neither.
-            lock(&w.finished).insert(self.entry_id.clone());
+            lock(&w.finished).insert(&self.entry_id);
         }
         lock(&w.active).remove(&self.entry_id);
         lock(&w.taken_over).remove(&self.entry_id);

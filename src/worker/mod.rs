@@ -255,31 +255,64 @@ impl Worker {
 /// How many settled entries a worker remembers (see `Worker::finished`).
 pub const RECENTLY_FINISHED: usize = 4096;
 
-/// The last [`RECENTLY_FINISHED`] entry ids inserted and when, oldest dropped first.
+/// The last [`RECENTLY_FINISHED`] settles (entry id, when), oldest dropped first.
+///
+/// A ring, not a map: it is written once per job and read only for entries a reclaim
+/// returns (rare: stalled workers), so a scan from the newest end costs less than
+/// hashing every job's id, and it holds no string per entry. A stream entry id
+/// (`<ms>-<seq>`) is kept as two integers. Invariant: times never decrease from front to
+/// back (`insert` reads the clock under the worker's lock), so the newest record of an
+/// entry is the one nearest the back, and an entry settled again (a redelivery) simply
+/// gets a newer record.
 #[derive(Default)]
 struct Recent {
-    order: VecDeque<String>,
-    set: FastMap<String, Instant>,
+    order: VecDeque<(EntryKey, Instant)>,
+}
+
+/// An entry id as [`Recent`] keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum EntryKey {
+    Stream(u64, u64),
+    /// Not a stream id (never from Redis; kept exactly all the same).
+    Other(Box<str>),
+}
+
+impl EntryKey {
+    fn of(entry: &str) -> EntryKey {
+        // Only the one spelling Redis writes maps to integers, so two different strings
+        // never become the same key ("01-0", "+1-0" and "1-0" stay apart).
+        fn canonical(s: &str) -> Option<u64> {
+            let digits = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+            (digits && (s == "0" || !s.starts_with('0')))
+                .then(|| s.parse().ok())
+                .flatten()
+        }
+        match entry.split_once('-') {
+            Some((ms, seq)) => match (canonical(ms), canonical(seq)) {
+                (Some(ms), Some(seq)) => EntryKey::Stream(ms, seq),
+                _ => EntryKey::Other(entry.into()),
+            },
+            None => EntryKey::Other(entry.into()),
+        }
+    }
 }
 
 impl Recent {
-    fn insert(&mut self, entry: String) {
-        if let Some(at) = self.set.get_mut(&entry) {
-            *at = Instant::now();
-            return;
+    fn insert(&mut self, entry: &str) {
+        if self.order.len() >= RECENTLY_FINISHED {
+            self.order.pop_front();
         }
-        if self.order.len() >= RECENTLY_FINISHED
-            && let Some(old) = self.order.pop_front()
-        {
-            self.set.remove(&old);
-        }
-        self.set.insert(entry.clone(), Instant::now());
-        self.order.push_back(entry);
+        self.order.push_back((EntryKey::of(entry), Instant::now()));
     }
 
     /// Whether `entry` finished here at or after `since`.
     fn since(&self, entry: &str, since: Instant) -> bool {
-        self.set.get(entry).is_some_and(|at| *at >= since)
+        let key = EntryKey::of(entry);
+        self.order
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == key)
+            .is_some_and(|(_, at)| *at >= since)
     }
 }
 
@@ -292,16 +325,69 @@ mod tests {
     fn recent_keeps_the_last_entries_only() {
         let mut r = Recent::default();
         for i in 0..RECENTLY_FINISHED + 10 {
-            r.insert(format!("{i}-0"));
+            r.insert(&format!("{i}-0"));
         }
-        r.insert(format!("{}-0", RECENTLY_FINISHED + 9));
         assert_eq!(r.order.len(), RECENTLY_FINISHED);
-        assert_eq!(r.set.len(), RECENTLY_FINISHED);
         let long_ago = Instant::now() - Duration::from_secs(3600);
         assert!(!r.since("9-0", long_ago));
         assert!(r.since("10-0", long_ago));
+        // Settled again (a redelivery): a newer record, which takes the oldest's place.
+        let before = Instant::now();
+        r.insert(&format!("{}-0", RECENTLY_FINISHED + 9));
+        assert_eq!(r.order.len(), RECENTLY_FINISHED);
+        assert!(!r.since("10-0", long_ago));
+        assert!(r.since("11-0", long_ago));
+        assert!(r.since(&format!("{}-0", RECENTLY_FINISHED + 9), before));
         assert!(r.since(&format!("{}-0", RECENTLY_FINISHED + 9), long_ago));
         // Finished before a reclaim began: no longer counts as finished for it.
-        assert!(!r.since("10-0", Instant::now() + Duration::from_millis(1)));
+        assert!(!r.since("11-0", Instant::now() + Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn recent_tells_entry_ids_apart_exactly() {
+        let mut r = Recent::default();
+        let long_ago = Instant::now() - Duration::from_secs(3600);
+        for e in [
+            "1-0",
+            "0-1",
+            "18446744073709551615-18446744073709551615",
+            "x",
+            "1",
+        ] {
+            r.insert(e);
+        }
+        for e in [
+            "1-0",
+            "0-1",
+            "18446744073709551615-18446744073709551615",
+            "x",
+            "1",
+        ] {
+            assert!(r.since(e, long_ago), "{e}");
+        }
+        // Other spellings of the same numbers, an overflow, and no id at all.
+        for e in [
+            "01-0",
+            "+1-0",
+            "1-00",
+            "1-+0",
+            "1-",
+            "-0",
+            "0-01",
+            "18446744073709551616-0",
+            "",
+            "1-0-0",
+            "y",
+        ] {
+            assert!(!r.since(e, long_ago), "{e}");
+        }
+        assert_eq!(
+            EntryKey::of("1796572232329-28"),
+            EntryKey::Stream(1796572232329, 28)
+        );
+        assert_eq!(
+            EntryKey::of("18446744073709551616-0"),
+            EntryKey::Other("18446744073709551616-0".into())
+        );
     }
 }
