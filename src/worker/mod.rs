@@ -347,22 +347,17 @@ mod tests {
     fn recent_tells_entry_ids_apart_exactly() {
         let mut r = Recent::default();
         let long_ago = Instant::now() - Duration::from_secs(3600);
-        for e in [
+        let settled = [
             "1-0",
             "0-1",
             "18446744073709551615-18446744073709551615",
             "x",
             "1",
-        ] {
+        ];
+        for e in settled {
             r.insert(e);
         }
-        for e in [
-            "1-0",
-            "0-1",
-            "18446744073709551615-18446744073709551615",
-            "x",
-            "1",
-        ] {
+        for e in settled {
             assert!(r.since(e, long_ago), "{e}");
         }
         // Other spellings of the same numbers, an overflow, and no id at all.
