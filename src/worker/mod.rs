@@ -71,7 +71,7 @@ pub struct Worker {
     /// never keeps alive an entry nobody works on, and no second task starts on it.
     active: Mutex<FastMap<String, String>>,
     /// Entries whose task ended settled (committed, or found committed elsewhere), the
-    /// last [`RECENTLY_FINISHED`] of them, with when: a reclaim racing that commit may
+    /// last [`RECENTLY_FINISHED`] settles, with when (see [`Recent`]): a reclaim racing that commit may
     /// still return one, and it must not start again. Only a reclaim that began before
     /// the finish can (see `is_active_or_finished`); an entry reclaimed by a later one
     /// lost its commit in Redis (a failover to a replica that had not received it, a
@@ -252,7 +252,7 @@ impl Worker {
     }
 }
 
-/// How many settled entries a worker remembers (see `Worker::finished`).
+/// How many settles a worker remembers (see `Worker::finished`).
 pub const RECENTLY_FINISHED: usize = 4096;
 
 /// The last [`RECENTLY_FINISHED`] settles (entry id, when), oldest dropped first.
@@ -264,9 +264,17 @@ pub const RECENTLY_FINISHED: usize = 4096;
 /// back (`insert` reads the clock under the worker's lock), so the newest record of an
 /// entry is the one nearest the back, and an entry settled again (a redelivery) simply
 /// gets a newer record.
+///
+/// An entry that settled here during a long reclaim (many script calls) may have been
+/// dropped before the reclaim's results are sorted: so when a record at or after the
+/// reclaim's start was dropped, an entry not found counts as settled. It is then skipped,
+/// not started: it stays pending under this consumer, idle, and a later reclaim takes it
+/// again (a delay of `queue.claim_idle_ms`, never a second paid call).
 #[derive(Default)]
 struct Recent {
     order: VecDeque<(EntryKey, Instant)>,
+    /// When the newest dropped record was made.
+    dropped_newest: Option<Instant>,
 }
 
 /// An entry id as [`Recent`] keeps it.
@@ -299,20 +307,26 @@ impl EntryKey {
 
 impl Recent {
     fn insert(&mut self, entry: &str) {
-        if self.order.len() >= RECENTLY_FINISHED {
-            self.order.pop_front();
+        if self.order.len() >= RECENTLY_FINISHED
+            && let Some((_, at)) = self.order.pop_front()
+        {
+            self.dropped_newest = Some(at);
         }
         self.order.push_back((EntryKey::of(entry), Instant::now()));
     }
 
-    /// Whether `entry` finished here at or after `since`.
+    /// Whether `entry` finished here at or after `since`, or may have (a record that
+    /// recent was dropped). Reads only the records made since then (newest first).
     fn since(&self, entry: &str, since: Instant) -> bool {
+        if self.dropped_newest.is_some_and(|at| at >= since) {
+            return true;
+        }
         let key = EntryKey::of(entry);
         self.order
             .iter()
             .rev()
-            .find(|(k, _)| *k == key)
-            .is_some_and(|(_, at)| *at >= since)
+            .take_while(|(_, at)| *at >= since)
+            .any(|(k, _)| *k == key)
     }
 }
 
@@ -324,23 +338,59 @@ mod tests {
     #[test]
     fn recent_keeps_the_last_entries_only() {
         let mut r = Recent::default();
-        for i in 0..RECENTLY_FINISHED + 10 {
+        for i in 0..11 {
+            r.insert(&format!("{i}-0"));
+        }
+        // The first instant after the last of those records (the clock is monotonic).
+        let last = Instant::now();
+        let mid = std::iter::repeat_with(Instant::now)
+            .find(|t| *t > last)
+            .expect("the clock moves");
+        for i in 11..RECENTLY_FINISHED + 10 {
             r.insert(&format!("{i}-0"));
         }
         assert_eq!(r.order.len(), RECENTLY_FINISHED);
-        let long_ago = Instant::now() - Duration::from_secs(3600);
-        assert!(!r.since("9-0", long_ago));
-        assert!(r.since("10-0", long_ago));
+        // "0-0" .. "9-0" were dropped, all made before `mid`: forgotten for a reclaim
+        // that began at `mid`.
+        assert!(!r.since("9-0", mid));
+        assert!(r.since("11-0", mid));
         // Settled again (a redelivery): a newer record, which takes the oldest's place.
         let before = Instant::now();
         r.insert(&format!("{}-0", RECENTLY_FINISHED + 9));
         assert_eq!(r.order.len(), RECENTLY_FINISHED);
-        assert!(!r.since("10-0", long_ago));
-        assert!(r.since("11-0", long_ago));
         assert!(r.since(&format!("{}-0", RECENTLY_FINISHED + 9), before));
-        assert!(r.since(&format!("{}-0", RECENTLY_FINISHED + 9), long_ago));
+        assert!(r.since(&format!("{}-0", RECENTLY_FINISHED + 9), mid));
+        assert!(r.since("12-0", mid));
         // Finished before a reclaim began: no longer counts as finished for it.
-        assert!(!r.since("11-0", Instant::now() + Duration::from_millis(1)));
+        assert!(!r.since("12-0", Instant::now() + Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn recent_keeps_settles_made_during_a_running_reclaim() {
+        // A reclaim of many calls began at t0; one entry it returned settled here
+        // meanwhile, then more than the ring holds settled too. The entry must still not
+        // start again: when records newer than t0 were dropped, an entry not found may be
+        // one of them, so it counts as settled (skipped now, reclaimable again later).
+        let mut r = Recent::default();
+        let t0 = Instant::now();
+        r.insert("7-0");
+        for i in 0..RECENTLY_FINISHED {
+            r.insert(&format!("100-{i}"));
+        }
+        assert!(r.since("7-0", t0));
+        assert!(r.since("8-0", t0), "unsure counts as settled");
+        // A reclaim that began after every dropped record is sure again.
+        let later = Instant::now() + Duration::from_millis(1);
+        assert!(!r.since("7-0", later));
+        assert!(!r.since("8-0", later));
+        // Dropped records older than the reclaim's start leave it sure.
+        let mut r = Recent::default();
+        for i in 0..RECENTLY_FINISHED + 5 {
+            r.insert(&format!("100-{i}"));
+        }
+        let t1 = Instant::now() + Duration::from_millis(1);
+        assert!(!r.since("100-0", t1));
+        assert!(!r.since("8-0", t1));
     }
 
     #[test]

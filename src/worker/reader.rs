@@ -154,7 +154,7 @@ impl Worker {
                             // Our own entry, reclaimed because its keepalive lagged: it
                             // already has a task (and maybe a paid call), or its task
                             // committed it since the reclaim ran.
-                            tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running or has just finished; not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
+                            tracing::warn!(entry = %d.entry_id, "reclaimed an entry this worker is already running or has just finished (or may have: more jobs settled during the reclaim than it remembers; the entry is reclaimed again later); not started twice (keepalive is lagging: check Redis latency and queue.claim_idle_ms)");
                             metrics::counter!("llm_worker_self_reclaims_skipped_total")
                                 .increment(1);
                         }
