@@ -472,10 +472,10 @@ pub struct QueueInner {
     reclaim_script: &'static redis::Script,
     claim_idle_ms: u64,
     /// Commits waiting to be sent together ([`Queue::commit_shared`]).
-    line: Arc<std::sync::Mutex<CommitLine>>,
+    line: std::sync::Mutex<CommitLine>,
     /// Entries already reported as deleted by the producer while we work on them (so the
     /// keepalive logs and counts each once).
-    reported_deleted: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    reported_deleted: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// What [`Queue::commit`] did.
@@ -778,13 +778,13 @@ async fn run_commits(q: Queue) {
     // Should this task end early (a panic, the runtime shutting down), the next commit
     // must start a sender again, and if no other sender is left nobody may wait
     // forever: every waiting job is sent alone. A normal end leaves under the lock.
-    struct Sender(Arc<std::sync::Mutex<CommitLine>>, bool);
+    struct Sender(Queue, bool);
     impl Drop for Sender {
         fn drop(&mut self) {
             if self.1 {
                 return;
             }
-            let mut line = crate::sync::lock(&self.0);
+            let mut line = crate::sync::lock(&self.0.line);
             line.senders -= 1;
             if line.senders == 0 {
                 for p in line.waiting.drain(..) {
@@ -793,7 +793,7 @@ async fn run_commits(q: Queue) {
             }
         }
     }
-    let mut sender = Sender(q.line.clone(), false);
+    let mut sender = Sender(q.clone(), false);
     loop {
         let batch: Vec<PendingCommit> = {
             let mut line = crate::sync::lock(&q.line);

@@ -71,8 +71,8 @@ pub struct Worker {
     /// never keeps alive an entry nobody works on, and no second task starts on it.
     active: Mutex<FastMap<String, String>>,
     /// Entries whose task ended settled (committed, or found committed elsewhere), the
-    /// last [`RECENTLY_FINISHED`] settles, with when (see [`Recent`]): a reclaim racing that commit may
-    /// still return one, and it must not start again. Only a reclaim that began before
+    /// last [`RECENTLY_FINISHED`] settles, with when (see [`Recent`]): a reclaim racing
+    /// that commit may still return one, and it must not start again. Only a reclaim that began before
     /// the finish can (see `is_active_or_finished`); an entry reclaimed by a later one
     /// lost its commit in Redis (a failover to a replica that had not received it, a
     /// restart from an older snapshot) and must run again.
@@ -291,17 +291,15 @@ impl EntryKey {
         // never become the same key ("01-0", "+1-0" and "1-0" stay apart).
         fn canonical(s: &str) -> Option<u64> {
             let digits = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-            (digits && (s == "0" || !s.starts_with('0')))
-                .then(|| s.parse().ok())
-                .flatten()
+            if !digits || (s.len() > 1 && s.starts_with('0')) {
+                return None;
+            }
+            s.parse().ok()
         }
-        match entry.split_once('-') {
-            Some((ms, seq)) => match (canonical(ms), canonical(seq)) {
-                (Some(ms), Some(seq)) => EntryKey::Stream(ms, seq),
-                _ => EntryKey::Other(entry.into()),
-            },
-            None => EntryKey::Other(entry.into()),
-        }
+        entry
+            .split_once('-')
+            .and_then(|(ms, seq)| Some(EntryKey::Stream(canonical(ms)?, canonical(seq)?)))
+            .unwrap_or_else(|| EntryKey::Other(entry.into()))
     }
 }
 
