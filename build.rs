@@ -9,10 +9,12 @@
 //!
 //! Invariant: this never changes what the program does, only where its functions sit.
 //! Names in the file that the build does not have are skipped silently: the code
-//! changed since the file was written (a function renamed, a generic instance gone, thin
-//! LTO's `.llvm.<hash>` suffix of a changed module), or the symbol hashes differ (another
-//! rustc, another profile: `release-lines` matches almost none). The layout then degrades
-//! toward the linker's default; `scripts/symbol-order --check` counts what still matches.
+//! changed since the file was written (a function renamed, a generic instance gone), or
+//! the symbol hashes differ (another rustc, another profile: `release-lines`, or any change
+//! to the release profile, matches almost none). The release profile's fat LTO promotes
+//! no local functions, so an edit renames only what it touches (thin LTO's `.llvm.<hash>`
+//! suffixes renamed 290-440 names at each edit). The layout then degrades toward the
+//! linker's default; `scripts/symbol-order --check` counts what still matches.
 //!
 //! Applied only where the link is known to take it: a release build for the host, and a
 //! probe link of an empty program with the same rustc, linker and flags that accepts
