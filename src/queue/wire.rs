@@ -135,6 +135,8 @@ pub struct ResultEntry {
 }
 
 const RESULT: &str = "result";
+/// Most fields a result entry has ([`ResultEntry::into_fields`]).
+const RESULT_FIELDS_MAX: usize = 21;
 const DEAD: &str = "dead-letter";
 
 impl ResultEntry {
@@ -175,13 +177,16 @@ impl ResultEntry {
     /// The fields to XADD, in a fixed order. Optional fields without a value are left out.
     pub fn into_fields(self) -> Vec<(&'static str, Vec<u8>)> {
         let num = |n: u64| n.to_string().into_bytes();
-        let mut f: Vec<(&'static str, Vec<u8>)> = vec![
+        // Sized for every field below at once (5 always, 16 more at most): grown from
+        // `vec![..5]` it reallocated and moved twice a job.
+        let mut f: Vec<(&'static str, Vec<u8>)> = Vec::with_capacity(RESULT_FIELDS_MAX);
+        f.extend([
             ("job_id", self.job_id.into_bytes()),
             ("job_entry", self.job_entry.into_bytes()),
             ("status", self.status.as_str().as_bytes().to_vec()),
             ("latency_ms", num(self.latency_ms)),
             ("worker", self.worker.into_bytes()),
-        ];
+        ]);
         let opt = |f: &mut Vec<(&'static str, Vec<u8>)>, k, v: Option<String>| {
             if let Some(v) = v {
                 f.push((k, v.into_bytes()));
@@ -596,6 +601,50 @@ mod tests {
             assert_eq!(ResultStatus::parse(s.as_str()), Some(s));
         }
         assert_eq!(ResultStatus::parse("OK"), None);
+    }
+
+    #[test]
+    fn a_result_with_every_field_fits_the_first_allocation() {
+        // Every Option of ResultEntry set: the field list never grows past its capacity
+        // (a new field must raise RESULT_FIELDS_MAX, or each job reallocates again).
+        let mut e = full_ok();
+        e.error = Some("e".into());
+        e.duplicate_of = Some("9-0".into());
+        let f = e.into_fields();
+        // Every field, in the results stream's order: a field added to ResultEntry must
+        // be added here too, and so to the count.
+        let names: Vec<&str> = f.iter().map(|(n, _)| *n).collect();
+        assert_eq!(
+            names,
+            [
+                "job_id",
+                "job_entry",
+                "status",
+                "latency_ms",
+                "worker",
+                "model",
+                "content",
+                "finish_reason",
+                "error",
+                "input_tokens",
+                "output_tokens",
+                "cached_tokens",
+                "cost_usd",
+                "attempts",
+                "tried",
+                "duplicate_of",
+                "metadata",
+                "tenant",
+                "usage",
+                "trimmed_messages",
+                "warning",
+            ]
+        );
+        // Vec::with_capacity(n) holds exactly n today; grown from five it held 40.
+        assert_eq!(
+            (f.len(), f.capacity()),
+            (RESULT_FIELDS_MAX, RESULT_FIELDS_MAX)
+        );
     }
 
     #[test]

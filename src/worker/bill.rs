@@ -78,7 +78,7 @@ impl Bill {
             ];
             // A zero adds nothing: no command for it (a missing field reads as 0).
             for (suffix, v) in fields.into_iter().filter(|(_, v)| *v != 0) {
-                out.push((format!("{m}{suffix}"), v));
+                out.push((crate::queue::concat(&[m, suffix]), v));
             }
         }
         out
