@@ -327,6 +327,45 @@ pub struct Delivery {
     pub cancel_checked: bool,
     /// The reader found a cancel marker for this entry's job id.
     pub cancelled: bool,
+    /// The reader's cancel check of this entry, sent and not waited for (see
+    /// [`CancelCheck`]); its task waits for it before any call. `None`: no check on its
+    /// way (`cancel_checked` tells whether one was made).
+    pub cancel_pending: Option<CancelCheck>,
+}
+
+/// The answer of a batch's cancel check: one flag per entry asked, in order; `None` when
+/// the check failed or took too long (the entries count as unchecked).
+pub type CancelFlags = Option<Arc<[bool]>>;
+
+/// One entry's place in a cancel check that was sent for a batch of entries and not
+/// waited for by the reader: the round trip runs beside the reader's next read, and each
+/// entry's task waits for its flag before its call (an entry read ahead mostly waits for
+/// a job permit meanwhile anyway).
+///
+/// Invariant: [`CancelCheck::wait`] answers `Some(flag)` only with the flag Redis gave
+/// for this very entry; anything else (an error, a timeout, the sender gone) is `None`,
+/// i.e. unchecked, and the task reads the marker itself before any call.
+#[derive(Debug, Clone)]
+pub struct CancelCheck {
+    answer: tokio::sync::watch::Receiver<Option<CancelFlags>>,
+    at: usize,
+}
+
+impl CancelCheck {
+    /// The entry at position `at` of the batch whose answer comes on `answer`.
+    pub fn new(answer: tokio::sync::watch::Receiver<Option<CancelFlags>>, at: usize) -> Self {
+        CancelCheck { answer, at }
+    }
+
+    /// Waits for the batch's answer: `Some(found)`, or `None` when the entry went
+    /// unchecked (see the invariant). Unbounded here: the sender's own round trip is
+    /// bounded, and a dropped sender ends the wait.
+    pub async fn wait(&self) -> Option<bool> {
+        let mut rx = self.answer.clone();
+        let v = rx.wait_for(Option::is_some).await.ok()?;
+        let flags = v.as_ref()?.as_ref()?;
+        flags.get(self.at).copied()
+    }
 }
 
 /// The longest part of a bad field name a `malformed` reason quotes.
@@ -401,6 +440,7 @@ impl Delivery {
             unparked,
             cancel_checked: false,
             cancelled: false,
+            cancel_pending: None,
         }
     }
 }
@@ -1563,5 +1603,39 @@ mod tests {
         ] {
             assert!(key.starts_with("{llm}:"), "{key}");
         }
+    }
+
+    /// The reader's cancel check, sent and not waited for: each entry's task gets its own
+    /// flag once the answer comes, and anything short of an answer for that entry (a
+    /// failed check, a sender gone, a shorter answer) counts as unchecked.
+    #[tokio::test]
+    async fn a_cancel_check_answers_each_entry_its_own_flag_or_unchecked() {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let (first, second, past) = (
+            CancelCheck::new(rx.clone(), 0),
+            CancelCheck::new(rx.clone(), 1),
+            CancelCheck::new(rx.clone(), 2),
+        );
+        // Waits for the answer: nothing yet after 50 ms.
+        let waiting = tokio::spawn(async move { second.wait().await });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "answered before the check did");
+        tx.send(Some(Some(Arc::from(vec![false, true])))).unwrap();
+        assert_eq!(waiting.await.unwrap(), Some(true));
+        assert_eq!(first.wait().await, Some(false));
+        assert_eq!(past.wait().await, None, "no flag for it in the answer");
+        // The answer stays readable after the sender is gone.
+        drop(tx);
+        assert_eq!(first.wait().await, Some(false));
+
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        tx.send(Some(None)).unwrap();
+        assert_eq!(CancelCheck::new(rx, 0).wait().await, None, "a failed check");
+
+        let (tx, rx) = tokio::sync::watch::channel::<Option<CancelFlags>>(None);
+        let gone = tokio::spawn(async move { CancelCheck::new(rx, 0).wait().await });
+        drop(tx);
+        let got = tokio::time::timeout(std::time::Duration::from_secs(5), gone).await;
+        assert_eq!(got.expect("a sender gone ends the wait").unwrap(), None);
     }
 }

@@ -206,7 +206,15 @@ impl Worker {
         // A task read ahead waits here for a job to end. Its cancel marker was read with
         // the entry; after a long wait it is read again (below) before any call.
         let waited = self.regain_permit(&d.entry_id).await?;
-        let cancel_known = d.cancel_checked && waited < CANCEL_CHECK_FRESH;
+        // The reader's check of this entry, if it sent one without waiting for it.
+        let (cancel_checked, cancel_found) = match &d.cancel_pending {
+            Some(check) => match self.unless_draining(check.wait()).await? {
+                Some(found) => (true, found),
+                None => (false, false),
+            },
+            None => (d.cancel_checked, d.cancelled),
+        };
+        let cancel_known = cancel_checked && waited < CANCEL_CHECK_FRESH;
         if let Some(reason) = &d.malformed {
             tracing::warn!(entry = %d.entry_id, %reason, "invalid job entry; dead-lettered");
             let id = job::salvage_id(d.payload.as_deref());
@@ -349,7 +357,7 @@ impl Worker {
         let stop = CancellationToken::new();
         lock(&self.stops).insert(d.entry_id.clone(), (job.id.clone(), stop.clone()));
         if !job.keyed {
-            let cancelled = if d.cancel_checked && d.cancelled {
+            let cancelled = if cancel_checked && cancel_found {
                 true // found with the entry: a cancel is never taken back
             } else if cancel_known {
                 false

@@ -5,7 +5,7 @@
 //! task for an entry this process already runs.
 
 use crate::connect::blocking_connection;
-use crate::queue::{Delivery, QueueError};
+use crate::queue::{CancelCheck, CancelFlags, Delivery, QueueError};
 use crate::sync::lock;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -191,7 +191,8 @@ impl Worker {
             };
             match read {
                 Ok(mut deliveries) => {
-                    self.check_cancels(&mut deliveries).await;
+                    // Not waited for: the next read goes out at once (see CancelCheck).
+                    self.check_cancels_behind(&mut deliveries);
                     self.redis_up();
                     backoff.reset();
                     for d in deliveries {
@@ -329,32 +330,49 @@ impl Worker {
     /// their id claim; an entry this skips and that turns out id-less is checked by its
     /// task.) Bounded; on an error the entries go unchecked and their tasks check.
     pub(super) async fn check_cancels(&self, deliveries: &mut [Delivery]) {
-        let idx: Vec<usize> = deliveries
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| {
-                d.payload
-                    .as_deref()
-                    .is_some_and(|p| !p.windows(4).any(|w| w == b"\"id\""))
-            })
-            .map(|(i, _)| i)
-            .collect();
+        let idx = unkeyed(deliveries);
         if idx.is_empty() {
             return;
         }
-        let ids: Vec<&str> = idx
-            .iter()
-            .map(|&i| {
-                let d = &deliveries[i];
-                d.first_entry.as_deref().unwrap_or(&d.entry_id)
-            })
-            .collect();
+        let ids: Vec<&str> = idx.iter().map(|&i| job_id_of(&deliveries[i])).collect();
         let asked = tokio::time::timeout(Duration::from_secs(1), self.queue.cancelled(&ids));
         if let Ok(Ok(flags)) = asked.await {
             for (i, f) in idx.into_iter().zip(flags) {
                 deliveries[i].cancel_checked = true;
                 deliveries[i].cancelled = f;
             }
+        }
+    }
+
+    /// [`Worker::check_cancels`] for new reads, without waiting for the answer: the
+    /// round trip runs beside the reader's next read instead of before it (on the path
+    /// from one read to the next, it held back how soon freed permits were refilled), and
+    /// each entry's task waits for its flag before its call ([`CancelCheck`]). The same
+    /// bound (1 s); a failed or late check leaves the entries unchecked, and their tasks
+    /// read their markers themselves, as after `check_cancels`.
+    pub(super) fn check_cancels_behind(&self, deliveries: &mut [Delivery]) {
+        let idx = unkeyed(deliveries);
+        if idx.is_empty() {
+            return;
+        }
+        let ids: Vec<String> = idx
+            .iter()
+            .map(|&i| job_id_of(&deliveries[i]).to_string())
+            .collect();
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let queue = self.queue.clone();
+        tokio::spawn(async move {
+            let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+            let asked = tokio::time::timeout(Duration::from_secs(1), queue.cancelled(&refs));
+            let flags: CancelFlags = match asked.await {
+                Ok(Ok(f)) if f.len() == refs.len() => Some(f.into()),
+                _ => None,
+            };
+            // No task waiting any more (all ended): nobody to tell.
+            let _ = tx.send(Some(flags));
+        });
+        for (at, i) in idx.into_iter().enumerate() {
+            deliveries[i].cancel_pending = Some(CancelCheck::new(rx.clone(), at));
         }
     }
 
@@ -394,4 +412,25 @@ impl Worker {
             tracing::info!("Redis reachable; taking jobs");
         }
     }
+}
+
+/// The entries whose payload has no `"id"` key at all: jobs without an id, which no id
+/// claim checks for a cancel marker (an entry this skips and that turns out id-less is
+/// checked by its task).
+fn unkeyed(deliveries: &[Delivery]) -> Vec<usize> {
+    deliveries
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| {
+            d.payload
+                .as_deref()
+                .is_some_and(|p| !p.windows(4).any(|w| w == b"\"id\""))
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// The job id of an entry without a producer id: the entry id it was first pushed as.
+fn job_id_of(d: &Delivery) -> &str {
+    d.first_entry.as_deref().unwrap_or(&d.entry_id)
 }
