@@ -397,3 +397,99 @@ async fn a_cancel_key_that_is_not_a_string_is_read_alike_for_every_job() -> anyh
     stop_clean(&mut w, T).await;
     Ok(())
 }
+
+/// Review finding: a job without an id whose cancel marker cannot be read at all (an ACL
+/// that refuses `{llm}:cancel:*`, set before the worker starts: the reader's batch check
+/// and the job's own check both fail) is not called as if it had no marker: it fails
+/// with no model call, its error naming the check, and nothing of it is lost (its
+/// result, and a dead letter `dead replay` runs again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_without_an_id_whose_cancel_marker_cannot_be_read_is_not_called() -> anyhow::Result<()>
+{
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "p.toml");
+    let mut conn = redis.conn().await;
+    let idless =
+        serde_json::json!({"messages": [{"role": "user", "content": "cancel me"}]}).to_string();
+    let pushed = push(&mut conn, "llm", &[idless]).await;
+    let _: () = redis::cmd("SET")
+        .arg(format!("{{llm}}:cancel:{}", pushed[0]))
+        .arg("1")
+        .arg("EX")
+        .arg(60)
+        .query_async(&mut conn)
+        .await?;
+    // Every key of the namespace but `cancel:*`.
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("default")
+        .arg("resetkeys")
+        .arg("~{llm}:[^c]*")
+        .arg("~{llm}:c[^a]*")
+        .arg("~{llm}:ca[^n]*")
+        .query_async(&mut conn)
+        .await?;
+    let mut w = WorkerProc::spawn(&cfg, "p1", &[]);
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    let x = &r[&pushed[0]];
+    assert_eq!(calls_of(&sim, &pushed[0]), 0, "no call: {x:?}\n{}", w.log());
+    assert_eq!(x["status"], "failed", "{x:?}");
+    assert!(x["error"].contains("cancel check"), "{x:?}");
+    assert_eq!(x["attempts"], "0", "{x:?}");
+    // Kept whole, as every job that fails without a call is: a dead letter with the
+    // producer's fields (`dead replay` runs it again once the ACL is fixed).
+    let dead = entries(&mut conn, "{llm}:dead").await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(dead[0].1["reason"].contains("cancel check"), "{dead:?}");
+    assert_eq!(
+        pending_count(&mut conn, "{llm}:jobs", "workers").await,
+        0,
+        "settled"
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+/// Review finding: the reader's one cancel check for a batch answers each id-less entry
+/// its own flag, whatever entries of the batch it skips (a job with an id, checked by its
+/// claim). A batch of a job with an id, then two without, the last cancelled: only the
+/// last ends cancelled; the one between runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_cancel_check_gives_each_job_without_an_id_its_own_flag() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "b.toml");
+    let cfg_s = cfg.to_str().unwrap();
+    let mut conn = redis.conn().await;
+    let idless = |text: &str| {
+        serde_json::json!({"messages": [{"role": "user", "content": text}]}).to_string()
+    };
+    let pushed = push(
+        &mut conn,
+        "llm",
+        &[job("b-keyed", "hi"), idless("run me"), idless("cancel me")],
+    )
+    .await;
+    let out = run_bin_async(&["--config", cfg_s, "cancel", &pushed[2]], &[], T).await;
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let mut w = WorkerProc::spawn(&cfg, "b1", &[]);
+    context(wait_len(&mut conn, "{llm}:results", 3, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r["b-keyed"]["status"], "ok", "{:?}", r["b-keyed"]);
+    assert_eq!(r[&pushed[1]]["status"], "ok", "{:?}", r[&pushed[1]]);
+    assert_eq!(r[&pushed[2]]["status"], "cancelled", "{:?}", r[&pushed[2]]);
+    assert_eq!(calls_of(&sim, &pushed[1]), 1);
+    assert_eq!(
+        calls_of(&sim, &pushed[2]),
+        0,
+        "no call for the cancelled job"
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}

@@ -11,7 +11,7 @@ use crate::context;
 use crate::gate::Answer;
 use crate::job::{self};
 use crate::provider::{self, CallError, ProviderClient};
-use crate::queue::{Commit, Delivery, HandBack, IdClaim, ResultStatus, TenantAdmit};
+use crate::queue::{Commit, Delivery, HandBack, IdClaim, QueueError, ResultStatus, TenantAdmit};
 use crate::quota;
 use crate::router::{Candidate, Decision, ErrorClass, Plan};
 use crate::slots::{Lease, SlotError};
@@ -362,12 +362,38 @@ impl Worker {
             } else if cancel_known {
                 false
             } else {
+                // Its own read, as the id claim does for a job with an id: retried while
+                // Redis does not answer; a refusal that repeats (an ACL without
+                // `{ns}:cancel:*`) fails the job without a call, never calls it unchecked.
                 let ids = [job.id.as_str()];
-                let asked = self.queue.cancelled(&ids);
-                matches!(
-                    tokio::time::timeout(Duration::from_secs(1), asked).await,
-                    Ok(Ok(f)) if f.first() == Some(&true)
-                )
+                loop {
+                    let asked = self.queue.cancelled(&ids);
+                    let e = match tokio::time::timeout(Duration::from_secs(1), asked).await {
+                        Ok(Ok(f)) => break f.first() == Some(&true),
+                        Ok(Err(e)) => e,
+                        Err(_) => QueueError::Timeout(Duration::from_secs(1)),
+                    };
+                    if !e.heals() {
+                        tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "cancel check impossible; job failed without a model call (let the Redis user read the cancel markers)");
+                        let reason = format!("cancel check impossible, no model called: {e}");
+                        return Some(self.reject(
+                            d,
+                            Some(&job.id),
+                            job.keyed,
+                            ResultStatus::Failed,
+                            &reason,
+                            started,
+                            &lock(spent),
+                        ));
+                    }
+                    if backoff.failures() == 0 {
+                        tracing::warn!(entry = %d.entry_id, error = %e, "cancel check failed; retrying until Redis answers");
+                    }
+                    backoff.sleep(&self.draining).await;
+                    if self.draining.is_cancelled() {
+                        return None;
+                    }
+                }
             };
             if cancelled {
                 let f = Finished::Stopped(Stop::Cancelled);
