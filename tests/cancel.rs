@@ -34,6 +34,20 @@ fn by_id(
         .collect()
 }
 
+/// Sets job `id`'s cancel marker as `cancel` writes it (a string with a TTL).
+async fn set_cancel_marker(
+    conn: &mut redis::aio::MultiplexedConnection,
+    id: &str,
+) -> redis::RedisResult<()> {
+    redis::cmd("SET")
+        .arg(format!("{{llm}}:cancel:{id}"))
+        .arg("1")
+        .arg("EX")
+        .arg(600)
+        .query_async(conn)
+        .await
+}
+
 fn calls_of(sim: &SimHandle, id: &str) -> u64 {
     sim.sim.stats().calls_per_job.get(id).copied().unwrap_or(0)
 }
@@ -415,13 +429,7 @@ async fn a_job_without_an_id_whose_cancel_marker_cannot_be_read_is_not_called() 
     let idless =
         serde_json::json!({"messages": [{"role": "user", "content": "cancel me"}]}).to_string();
     let pushed = push(&mut conn, "llm", &[idless]).await;
-    let _: () = redis::cmd("SET")
-        .arg(format!("{{llm}}:cancel:{}", pushed[0]))
-        .arg("1")
-        .arg("EX")
-        .arg(60)
-        .query_async(&mut conn)
-        .await?;
+    set_cancel_marker(&mut conn, &pushed[0]).await?;
     // Every key of the namespace but `cancel:*`.
     let _: () = redis::cmd("ACL")
         .arg("SETUSER")
@@ -489,6 +497,63 @@ async fn a_batch_cancel_check_gives_each_job_without_an_id_its_own_flag() -> any
         calls_of(&sim, &pushed[2]),
         0,
         "no call for the cancelled job"
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+/// Review finding: a job without an id read ahead (checked with its entry, then waiting
+/// over 100 ms for its turn) whose cancel marker is set meanwhile, and whose own check
+/// before its call meets Redis stopped (SIGSTOP, longer than the check's 1 s bound):
+/// it asks again until Redis answers, then ends `cancelled` with no call (it was called
+/// unchecked before). The job ahead of it, whose commit waited out the same outage,
+/// ends ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_check_that_meets_a_stopped_redis_asks_again_and_makes_no_call()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 2000,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 1;
+    tc.read_ahead = 1;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "o.toml");
+    let mut conn = redis.conn().await;
+    let idless =
+        |t: &str| serde_json::json!({"messages": [{"role": "user", "content": t}]}).to_string();
+    let pushed = push(&mut conn, "llm", &[idless("slow"), idless("cancel me")]).await;
+    let mut w = WorkerProc::spawn(&cfg, "o1", &[]);
+    assert!(in_flight_at_least(&sim, 1, T).await, "{}", w.log());
+    assert_eq!(
+        pending_count(&mut conn, "{llm}:jobs", "workers").await,
+        2,
+        "the second job read ahead\n{}",
+        w.log()
+    );
+    set_cancel_marker(&mut conn, &pushed[1]).await?;
+    let rpid = redis.pid().expect("redis-server's pid");
+    signal(rpid, "STOP");
+    let saw = wait_log(
+        &w,
+        "cancel check failed; retrying until Redis answers",
+        Duration::from_secs(10),
+    )
+    .await;
+    signal(rpid, "CONT");
+    let mut conn = redis.conn().await;
+    context(wait_len(&mut conn, "{llm}:results", 2, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r[&pushed[0]]["status"], "ok", "{:?}", r[&pushed[0]]);
+    assert_eq!(r[&pushed[1]]["status"], "cancelled", "{:?}", r[&pushed[1]]);
+    assert_eq!(calls_of(&sim, &pushed[1]), 0, "no call\n{}", w.log());
+    assert!(
+        saw,
+        "the second job's own check met the outage\n{}",
+        w.log()
     );
     stop_clean(&mut w, T).await;
     Ok(())

@@ -363,8 +363,9 @@ impl Worker {
                 false
             } else {
                 // Its own read, as the id claim does for a job with an id: retried while
-                // Redis does not answer; a refusal that repeats (an ACL without
-                // `{ns}:cancel:*`) fails the job without a call, never calls it unchecked.
+                // Redis does not answer; an error retrying cannot heal (NOPERM: an ACL
+                // without `{ns}:cancel:*`) fails the job without a call, never calls it
+                // unchecked.
                 let ids = [job.id.as_str()];
                 loop {
                     let asked = self.queue.cancelled(&ids);
