@@ -322,15 +322,11 @@ pub struct Delivery {
     /// (field [`TENANT_UNPARKED`]): a place is kept for it, which the worker gives back if
     /// the job ends without taking it.
     pub unparked: Option<String>,
-    /// The reader checked this entry's cancel marker (a job without an `id` has no id
-    /// claim that would): `cancelled` is its answer.
-    pub cancel_checked: bool,
-    /// The reader found a cancel marker for this entry's job id.
-    pub cancelled: bool,
-    /// The reader's cancel check of this entry, sent and not waited for (see
-    /// [`CancelCheck`]); its task waits for it before any call. `None`: no check on its
-    /// way (`cancel_checked` tells whether one was made).
-    pub cancel_pending: Option<CancelCheck>,
+    /// The reader's check of this entry's cancel marker (a job without an `id` has no id
+    /// claim that would), sent and not waited for (see [`CancelCheck`]); its task waits
+    /// for it before any call. `None`: the reader sent none (its task reads the marker
+    /// itself if it turns out to have no id).
+    pub cancel_check: Option<CancelCheck>,
 }
 
 /// The answer of a batch's cancel check: one flag per entry asked, in order; `None` when
@@ -438,9 +434,7 @@ impl Delivery {
             first_entry,
             reclaimed: false,
             unparked,
-            cancel_checked: false,
-            cancelled: false,
-            cancel_pending: None,
+            cancel_check: None,
         }
     }
 }

@@ -206,15 +206,12 @@ impl Worker {
         // A task read ahead waits here for a job to end. Its cancel marker was read with
         // the entry; after a long wait it is read again (below) before any call.
         let waited = self.regain_permit(&d.entry_id).await?;
-        // The reader's check of this entry, if it sent one without waiting for it.
-        let (cancel_checked, cancel_found) = match &d.cancel_pending {
-            Some(check) => match self.unless_draining(check.wait()).await? {
-                Some(found) => (true, found),
-                None => (false, false),
-            },
-            None => (d.cancel_checked, d.cancelled),
+        // The reader's check of this entry, if it sent one: `Some(found)` once answered.
+        let read_with_entry = match &d.cancel_check {
+            Some(check) => self.unless_draining(check.wait()).await?,
+            None => None,
         };
-        let cancel_known = cancel_checked && waited < CANCEL_CHECK_FRESH;
+        let cancel_known = read_with_entry.is_some() && waited < CANCEL_CHECK_FRESH;
         if let Some(reason) = &d.malformed {
             tracing::warn!(entry = %d.entry_id, %reason, "invalid job entry; dead-lettered");
             let id = job::salvage_id(d.payload.as_deref());
@@ -294,17 +291,9 @@ impl Worker {
                     Err(e) if !e.heals() => {
                         // A marker key of the wrong type: retrying cannot help, and calling a
                         // model without the check could pay for the id twice.
-                        tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "idempotency check impossible; job failed without a model call (fix the key named)");
-                        let reason = format!("idempotency check impossible, no model called: {e}");
-                        return Some(self.reject(
-                            d,
-                            Some(&job.id),
-                            job.keyed,
-                            ResultStatus::Failed,
-                            &reason,
-                            started,
-                            &lock(spent),
-                        ));
+                        let check = ("idempotency", "fix the key named");
+                        let s = lock(spent);
+                        return Some(self.check_impossible(d, &job, check, &e, started, &s));
                     }
                     Err(e) => {
                         // One line per job, not per retry: the reader logs the outage itself.
@@ -357,7 +346,7 @@ impl Worker {
         let stop = CancellationToken::new();
         lock(&self.stops).insert(d.entry_id.clone(), (job.id.clone(), stop.clone()));
         if !job.keyed {
-            let cancelled = if cancel_checked && cancel_found {
+            let cancelled = if read_with_entry == Some(true) {
                 true // found with the entry: a cancel is never taken back
             } else if cancel_known {
                 false
@@ -375,17 +364,9 @@ impl Worker {
                         Err(_) => QueueError::Timeout(Duration::from_secs(1)),
                     };
                     if !e.heals() {
-                        tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "cancel check impossible; job failed without a model call (let the Redis user read the cancel markers)");
-                        let reason = format!("cancel check impossible, no model called: {e}");
-                        return Some(self.reject(
-                            d,
-                            Some(&job.id),
-                            job.keyed,
-                            ResultStatus::Failed,
-                            &reason,
-                            started,
-                            &lock(spent),
-                        ));
+                        let check = ("cancel", "let the Redis user read the cancel markers");
+                        let s = lock(spent);
+                        return Some(self.check_impossible(d, &job, check, &e, started, &s));
                     }
                     if backoff.failures() == 0 {
                         tracing::warn!(entry = %d.entry_id, error = %e, "cancel check failed; retrying until Redis answers");
@@ -1189,6 +1170,32 @@ impl Worker {
     }
 
     /// `fut`'s output, or `None` as soon as draining begins (the wait is dropped).
+    /// A check before the call that Redis refuses in a way retrying cannot heal (a
+    /// marker key of the wrong type, an ACL): the job fails without a model call, its
+    /// reason naming the check and Redis's error.
+    fn check_impossible(
+        &self,
+        d: &Delivery,
+        job: &job::Job,
+        (check, hint): (&str, &str),
+        e: &QueueError,
+        started: Instant,
+        spent: &Spent,
+    ) -> Commit {
+        tracing::error!(entry = %d.entry_id, job = %job.id, error = %e, "{check} check impossible; job failed without a model call ({hint})");
+        let reason = format!("{check} check impossible, no model called: {e}");
+        let id = Some(job.id.as_str());
+        self.reject(
+            d,
+            id,
+            job.keyed,
+            ResultStatus::Failed,
+            &reason,
+            started,
+            spent,
+        )
+    }
+
     pub(super) async fn unless_draining<T>(
         &self,
         fut: impl std::future::Future<Output = T>,

@@ -159,7 +159,7 @@ impl Worker {
                                 .increment(1);
                         }
                         let mut others = others;
-                        self.check_cancels(&mut others).await;
+                        self.check_cancels(&mut others);
                         for d in others {
                             let Some(permit) = permits.pop() else { break };
                             self.spawn_job(&tracker, d, permit, &abort);
@@ -192,7 +192,7 @@ impl Worker {
             match read {
                 Ok(mut deliveries) => {
                     // Not waited for: the next read goes out at once (see CancelCheck).
-                    self.check_cancels_behind(&mut deliveries);
+                    self.check_cancels(&mut deliveries);
                     self.redis_up();
                     backoff.reset();
                     for d in deliveries {
@@ -328,29 +328,12 @@ impl Worker {
     /// payload has no `"id"` key at all): one round trip for the whole batch, so a queued
     /// id-less job that was cancelled ends without a call. (Jobs with an id are checked by
     /// their id claim; an entry this skips and that turns out id-less is checked by its
-    /// task.) Bounded; on an error the entries go unchecked and their tasks check.
-    pub(super) async fn check_cancels(&self, deliveries: &mut [Delivery]) {
-        let idx = unkeyed(deliveries);
-        if idx.is_empty() {
-            return;
-        }
-        let ids: Vec<&str> = idx.iter().map(|&i| job_id_of(&deliveries[i])).collect();
-        let asked = tokio::time::timeout(Duration::from_secs(1), self.queue.cancelled(&ids));
-        if let Ok(Ok(flags)) = asked.await {
-            for (i, f) in idx.into_iter().zip(flags) {
-                deliveries[i].cancel_checked = true;
-                deliveries[i].cancelled = f;
-            }
-        }
-    }
-
-    /// [`Worker::check_cancels`] for new reads, without waiting for the answer: the
-    /// round trip runs beside the reader's next read instead of before it (on the path
-    /// from one read to the next, it held back how soon freed permits were refilled), and
-    /// each entry's task waits for its flag before its call ([`CancelCheck`]). The same
-    /// bound (1 s); a failed or late check leaves the entries unchecked, and their tasks
-    /// read their markers themselves, as after `check_cancels`.
-    pub(super) fn check_cancels_behind(&self, deliveries: &mut [Delivery]) {
+    /// task.) Not waited for: the round trip runs beside the reader's next read instead
+    /// of before it (on the path from one read to the next, it held back how soon freed
+    /// permits were refilled), and each entry's task waits for its flag before its call
+    /// ([`CancelCheck`]). Bounded (1 s); a failed or late check leaves the entries
+    /// unchecked, and their tasks read their markers themselves.
+    pub(super) fn check_cancels(&self, deliveries: &mut [Delivery]) {
         let idx = unkeyed(deliveries);
         if idx.is_empty() {
             return;
@@ -372,7 +355,7 @@ impl Worker {
             let _ = tx.send(Some(flags));
         });
         for (at, i) in idx.into_iter().enumerate() {
-            deliveries[i].cancel_pending = Some(CancelCheck::new(rx.clone(), at));
+            deliveries[i].cancel_check = Some(CancelCheck::new(rx.clone(), at));
         }
     }
 
