@@ -108,6 +108,10 @@ pub async fn run(
         background.cancel();
         return Err(e);
     }
+    if let Err(e) = check_key_access(&cfg, &queue).await {
+        background.cancel();
+        return Err(e);
+    }
     record_key_check(&cfg, &pool).await;
     let slots_task = slots.spawn_background(background.clone());
     let budgets = crate::budget::Budgets::new(cfg.clone());
@@ -274,6 +278,36 @@ pub async fn check_eviction(
 /// Records what this worker's key check found (`cfg.key_check`) in `{ns}:keycheck`
 /// (provider -> JSON: found, worker, at_ms), so `status` shows what the fleet found.
 /// Best effort and bounded: a Redis that does not answer only leaves `status` without it.
+/// Refuses to start when the Redis user may not touch a key family of a job's path
+/// ([`Queue::refused_key_family`]): every job meeting it would fail (or wait) instead, so
+/// the worker stops with exit 2 and the message names the keys, leaving every job where
+/// it is. Bounded; a Redis that does not answer here is left to the paths that retry.
+async fn check_key_access(cfg: &Config, queue: &Queue) -> Result<(), DaemonError> {
+    match tokio::time::timeout(Duration::from_secs(2), queue.refused_key_family()).await {
+        Ok(Ok(None)) => Ok(()),
+        Ok(Ok(Some(keys))) => Err(DaemonError::Access(format!(
+            "NOPERM: the Redis user{} may not read and write {keys}; grant the namespace's keys (e.g. `~{{{ns}}}:*`), or jobs meeting them would fail",
+            if cfg.redis.username.is_empty() {
+                String::new()
+            } else {
+                format!(" {:?}", cfg.redis.username)
+            },
+            ns = cfg.queue.namespace
+        ))),
+        Ok(Err(e)) if crate::connect::refused_access(&e.to_string()) => {
+            Err(DaemonError::Access(e.to_string()))
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "key access not probed at start");
+            Ok(())
+        }
+        Err(_) => {
+            tracing::debug!("key access not probed at start (timeout)");
+            Ok(())
+        }
+    }
+}
+
 async fn record_key_check(cfg: &Config, pool: &crate::connect::Commands) {
     if cfg.key_check.is_empty() {
         return;

@@ -187,6 +187,9 @@ pub static QUOTA_SETTLE: LazyLock<Script> =
 /// Set or lengthen a shared cooldown.
 pub static COOLDOWN: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("../lua/cooldown.lua")));
+/// Start-time probe: may the Redis user touch every key family of a job's path?
+pub static ACCESS_PROBE: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("../lua/access_probe.lua")));
 
 #[cfg(test)]
 mod tests {

@@ -412,11 +412,75 @@ async fn a_cancel_key_that_is_not_a_string_is_read_alike_for_every_job() -> anyh
     Ok(())
 }
 
+/// Every key of the namespace but `cancel:*` for the default user (what the tests below
+/// give a worker), full access for a user `admin` (the test's own writes).
+async fn refuse_cancel_markers(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<()> {
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("admin")
+        .arg("on")
+        .arg(">admin-pw")
+        .arg("~*")
+        .arg("+@all")
+        .query_async(conn)
+        .await?;
+    refuse_cancel_markers_to_default_user(conn).await
+}
+
+async fn admin_conn(redis: &RedisServer) -> anyhow::Result<redis::aio::MultiplexedConnection> {
+    // The test's server listens on a unix socket: the user goes in the query.
+    let url = format!("{}?user=admin&pass=admin-pw", redis.url());
+    Ok(redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await?)
+}
+
+/// A Redis user that may not touch the cancel markers (an ACL without `{llm}:cancel:*`)
+/// stops the worker at start with exit 2 and a message naming the keys, before any job
+/// is read: the queued job stays in the stream, unread, no call, no result, no letter.
+/// (Before the start probe, every job without an id failed `cancel check impossible`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_that_may_not_touch_cancel_markers_stops_the_worker_at_start()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let tc = TestConfig::new(&redis, &sim);
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "s.toml");
+    let mut conn = redis.conn().await;
+    let idless =
+        serde_json::json!({"messages": [{"role": "user", "content": "keep me"}]}).to_string();
+    let pushed = push(&mut conn, "llm", &[idless]).await;
+    refuse_cancel_markers(&mut conn).await?;
+    let mut admin = admin_conn(&redis).await?;
+    let mut w = WorkerProc::spawn(&cfg, "s1", &[]);
+    let status = wait_exit(&mut w, T).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{}", w.log());
+    let log = w.log();
+    assert!(log.contains("{llm}:cancel:*"), "names the keys: {log}");
+    assert_eq!(calls_of(&sim, &pushed[0]), 0);
+    assert!(entries(&mut admin, "{llm}:results").await.is_empty());
+    assert!(entries(&mut admin, "{llm}:dead").await.is_empty());
+    assert_eq!(
+        entries(&mut admin, "{llm}:jobs").await.len(),
+        1,
+        "still queued"
+    );
+    // Stopped before its reader made the group: nothing was read.
+    let groups: Vec<redis::Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg("{llm}:jobs")
+        .query_async(&mut admin)
+        .await?;
+    assert!(groups.is_empty(), "unread: {groups:?}");
+    Ok(())
+}
+
 /// Review finding: a job without an id whose cancel marker cannot be read at all (an ACL
-/// that refuses `{llm}:cancel:*`, set before the worker starts: the reader's batch check
-/// and the job's own check both fail) is not called as if it had no marker: it fails
-/// with no model call, its error naming the check, and nothing of it is lost (its
-/// result, and a dead letter `dead replay` runs again).
+/// that refuses `{llm}:cancel:*`, set while the worker runs, after its start probe: the
+/// reader's batch check and the job's own check both fail) is not called as if it had no
+/// marker: it fails with no model call, its error naming the check, and nothing of it is
+/// lost (its result, and a dead letter).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_without_an_id_whose_cancel_marker_cannot_be_read_is_not_called() -> anyhow::Result<()>
 {
@@ -426,35 +490,30 @@ async fn a_job_without_an_id_whose_cancel_marker_cannot_be_read_is_not_called() 
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "p.toml");
     let mut conn = redis.conn().await;
+    let mut w = WorkerProc::spawn(&cfg, "p1", &[]);
+    // Taking jobs (past its start probe) before the ACL changes.
+    push(&mut conn, "llm", &[job("p-first", "hi")]).await;
+    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
+    refuse_cancel_markers(&mut conn).await?;
+    let mut admin = admin_conn(&redis).await?;
     let idless =
         serde_json::json!({"messages": [{"role": "user", "content": "cancel me"}]}).to_string();
-    let pushed = push(&mut conn, "llm", &[idless]).await;
-    set_cancel_marker(&mut conn, &pushed[0]).await?;
-    // Every key of the namespace but `cancel:*`.
-    let _: () = redis::cmd("ACL")
-        .arg("SETUSER")
-        .arg("default")
-        .arg("resetkeys")
-        .arg("~{llm}:[^c]*")
-        .arg("~{llm}:c[^a]*")
-        .arg("~{llm}:ca[^n]*")
-        .query_async(&mut conn)
-        .await?;
-    let mut w = WorkerProc::spawn(&cfg, "p1", &[]);
-    context(wait_len(&mut conn, "{llm}:results", 1, T).await, &[&w])?;
-    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    let pushed = push(&mut admin, "llm", &[idless]).await;
+    set_cancel_marker(&mut admin, &pushed[0]).await?;
+    context(wait_len(&mut admin, "{llm}:results", 2, T).await, &[&w])?;
+    let r = by_id(&entries(&mut admin, "{llm}:results").await);
     let x = &r[&pushed[0]];
     assert_eq!(calls_of(&sim, &pushed[0]), 0, "no call: {x:?}\n{}", w.log());
     assert_eq!(x["status"], "failed", "{x:?}");
     assert!(x["error"].contains("cancel check"), "{x:?}");
     assert_eq!(x["attempts"], "0", "{x:?}");
     // Kept whole, as every job that fails without a call is: a dead letter with the
-    // producer's fields (`dead replay` runs it again once the ACL is fixed).
-    let dead = entries(&mut conn, "{llm}:dead").await;
+    // producer's fields.
+    let dead = entries(&mut admin, "{llm}:dead").await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert!(dead[0].1["reason"].contains("cancel check"), "{dead:?}");
     assert_eq!(
-        pending_count(&mut conn, "{llm}:jobs", "workers").await,
+        pending_count(&mut admin, "{llm}:jobs", "workers").await,
         0,
         "settled"
     );

@@ -251,15 +251,7 @@ async fn a_cancel_found_with_the_entry_holds_when_the_re_read_fails() -> anyhow:
     // From now on every read of a cancel marker is refused (an ACL that allows every key
     // of the namespace but `cancel:*`): the re-read after the wait fails, and so do the
     // cancel watcher's polls.
-    let _: () = redis::cmd("ACL")
-        .arg("SETUSER")
-        .arg("default")
-        .arg("resetkeys")
-        .arg("~{llm}:[^c]*")
-        .arg("~{llm}:c[^a]*")
-        .arg("~{llm}:ca[^n]*")
-        .query_async(&mut bed.conn)
-        .await?;
+    refuse_cancel_markers_to_default_user(&mut bed.conn).await?;
     let refused: redis::RedisResult<Option<String>> =
         bed.conn.get(format!("{{llm}}:cancel:{later}")).await;
     assert!(refused.is_err(), "the marker cannot be read any more");

@@ -958,6 +958,64 @@ impl Queue {
         })
     }
 
+    /// The first key family of a job's path the Redis user may not read and write, as a
+    /// pattern (`{llm}:cancel:*`), or `None` when it may touch them all
+    /// (`lua/access_probe.lua`: a script that declares one key of each family and touches
+    /// none; Redis checks declared keys against the ACL before running it). Without it a
+    /// user that may not touch, say, the cancel markers failed every job that met them
+    /// (`cancel check impossible`); the daemon runs this at start and exits 2 instead.
+    /// `Err`: Redis did not answer, or refused for another reason (nothing is known).
+    pub async fn refused_key_family(&self) -> Result<Option<String>, QueueError> {
+        const PROBE: &str = "access-probe";
+        let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
+        let k = &self.keys;
+        let families: [(String, String); 13] = [
+            (k.jobs.clone(), k.jobs.clone()),
+            (k.results.clone(), k.results.clone()),
+            (k.dead.clone(), k.dead.clone()),
+            (k.failed.clone(), k.failed.clone()),
+            (k.costs.clone(), k.costs.clone()),
+            (k.dropped(), k.dropped()),
+            (k.spend(&day), k.spend("*")),
+            (k.spend(&month), k.spend("*")),
+            (k.done(PROBE), k.done("*")),
+            (k.inflight(PROBE), k.inflight("*")),
+            (k.cancel(PROBE), k.cancel("*")),
+            (k.handed_back(PROBE), k.handed_back("*")),
+            (k.cap_spent(PROBE), k.cap_spent("*")),
+        ];
+        let mut conn = self.conn.get().await?;
+        // A refused key, not a refused command (that one is the caller's `Err`).
+        let key_refused =
+            |e: &redis::RedisError| e.code() == Some("NOPERM") && e.to_string().contains("keys");
+        let mut all = crate::scripts::Call::new(&scripts::ACCESS_PROBE);
+        for (key, _) in &families {
+            all.key(key);
+        }
+        match all.invoke_value(&mut conn).await {
+            Ok(_) => return Ok(None),
+            Err(e) if !key_refused(&e) => return Err(e.into()),
+            Err(_) => {}
+        }
+        // Refused: which family (one call each, only on this path).
+        for (key, pattern) in &families {
+            let mut one = crate::scripts::Call::new(&scripts::ACCESS_PROBE);
+            one.key(key);
+            match one.invoke_value(&mut conn).await {
+                Err(e) if key_refused(&e) => return Ok(Some(pattern.clone())),
+                r => r?,
+            };
+        }
+        // Refused as a whole but no family alone: name them all.
+        Ok(Some(
+            families
+                .iter()
+                .map(|(_, p)| p.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+        ))
+    }
+
     /// For each job id, whether it has a cancel marker (`{ns}:cancel:<id>`, a string as
     /// `cancel` and the README's `SET` write it): one command for the whole batch.
     pub async fn cancelled(&self, job_ids: &[&str]) -> Result<Vec<bool>, QueueError> {

@@ -1228,3 +1228,20 @@ pub async fn calls_of(conn: &mut redis::aio::MultiplexedConnection, cmd: &str) -
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
+
+/// An ACL for the `default` user that allows every key of the `llm` namespace but the
+/// cancel markers (`{llm}:cancel:*`): a Redis user refused those keys.
+pub async fn refuse_cancel_markers_to_default_user(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<()> {
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("default")
+        .arg("resetkeys")
+        .arg("~{llm}:[^c]*")
+        .arg("~{llm}:c[^a]*")
+        .arg("~{llm}:ca[^n]*")
+        .query_async(conn)
+        .await?;
+    Ok(())
+}
