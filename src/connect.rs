@@ -571,7 +571,9 @@ impl redis::aio::ConnectionLike for CommandConn {
 /// `NOAUTH`, redis-rs's "authentication failed") or a command to its ACL user
 /// (`NOPERM`): a config problem no retry can fix, unlike a Redis that is away.
 pub fn refused_access(msg: &str) -> bool {
-    ["WRONGPASS", "NOAUTH", "NOPERM", "authentication failed"]
+    // Case-blind: redis-rs prints some codes in its own spelling (`NoPerm: ...`).
+    let msg = msg.to_ascii_lowercase();
+    ["wrongpass", "noauth", "noperm", "authentication failed"]
         .iter()
         .any(|m| msg.contains(m))
 }
@@ -637,6 +639,11 @@ mod tests {
     fn refused_credentials_are_told_from_an_absent_redis() {
         assert!(refused_access("WRONGPASS invalid username-password pair"));
         assert!(refused_access("NOPERM this user has no permissions"));
+        // redis-rs's own spelling of the code, and Redis 7.2's message.
+        assert!(refused_access(
+            "NoPerm: this user has no permissions to run the 'evalsha' command"
+        ));
+        assert!(refused_access("NoPerm: No permissions to access a key"));
         assert!(!refused_access("Connection refused (os error 111)"));
     }
 }

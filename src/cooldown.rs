@@ -206,7 +206,8 @@ impl Cooldowns {
     }
 }
 
-fn hash_key(ns: &str) -> String {
+/// The fleet's cooldowns hash of namespace `ns`.
+pub(crate) fn hash_key(ns: &str) -> String {
     format!("{{{ns}}}:cooldowns")
 }
 

@@ -37,6 +37,11 @@ pub enum DaemonError {
         "Redis refused access ({0}): check redis.username and the password (redis.password_env, redis.password_file or the url), and that the ACL user may run EVALSHA, XREADGROUP and the other commands README lists"
     )]
     Access(String),
+    /// The Redis user may not read and write key families a job's path touches.
+    #[error(
+        "redis.username: the Redis user {user} may not read and write the keys {keys} (its ACL); grant it read and write on every key of the namespace (queue.namespace), or jobs meeting those keys would fail"
+    )]
+    KeyAccess { user: String, keys: String },
     #[error("cannot listen on {addr} (fix server.listen)")]
     Listen {
         addr: String,
@@ -279,21 +284,40 @@ pub async fn check_eviction(
 /// (provider -> JSON: found, worker, at_ms), so `status` shows what the fleet found.
 /// Best effort and bounded: a Redis that does not answer only leaves `status` without it.
 /// Refuses to start when the Redis user may not touch a key family of a job's path
-/// ([`Queue::refused_key_family`]): every job meeting it would fail (or wait) instead, so
-/// the worker stops with exit 2 and the message names the keys, leaving every job where
-/// it is. Bounded; a Redis that does not answer here is left to the paths that retry.
+/// ([`Queue::refused_key_families`], with the slots' keys of every pool and the
+/// cooldowns): every job meeting it would fail (or wait) instead, so the worker stops
+/// with exit 2 naming the keys, leaving every job where it is. Bounded; a Redis that does
+/// not answer here is left to the paths that retry.
 async fn check_key_access(cfg: &Config, queue: &Queue) -> Result<(), DaemonError> {
-    match tokio::time::timeout(Duration::from_secs(2), queue.refused_key_family()).await {
-        Ok(Ok(None)) => Ok(()),
-        Ok(Ok(Some(keys))) => Err(DaemonError::Access(format!(
-            "NOPERM: the Redis user{} may not read and write {keys}; grant the namespace's keys (e.g. `~{{{ns}}}:*`), or jobs meeting them would fail",
-            if cfg.redis.username.is_empty() {
-                String::new()
+    let sk = crate::slots::SlotKeys::new(&cfg.queue.namespace);
+    let mut extra = vec![];
+    for pool in cfg.pools.keys() {
+        let slot0 = sk.slot(pool, 0);
+        let slots = format!("{}*", slot0.strip_suffix('0').unwrap_or(&slot0));
+        for (key, pattern) in [
+            (slot0.clone(), slots),
+            (sk.pool_size(pool), sk.pool_size(pool)),
+            (sk.slot_queue(pool), sk.slot_queue(pool)),
+            (sk.waiter_alive(pool), sk.waiter_alive(pool)),
+            (sk.wake(pool), sk.wake(pool)),
+            (sk.lease(pool), sk.lease(pool)),
+        ] {
+            extra.push((key, pattern));
+        }
+    }
+    let cooldowns = crate::cooldown::hash_key(&cfg.queue.namespace);
+    extra.push((cooldowns.clone(), cooldowns));
+    let probe = queue.refused_key_families(&extra);
+    match tokio::time::timeout(Duration::from_secs(2), probe).await {
+        Ok(Ok(refused)) if refused.is_empty() => Ok(()),
+        Ok(Ok(refused)) => Err(DaemonError::KeyAccess {
+            user: if cfg.redis.username.is_empty() {
+                "default (or the url's)".into()
             } else {
-                format!(" {:?}", cfg.redis.username)
+                cfg.redis.username.clone()
             },
-            ns = cfg.queue.namespace
-        ))),
+            keys: refused.join(", "),
+        }),
         Ok(Err(e)) if crate::connect::refused_access(&e.to_string()) => {
             Err(DaemonError::Access(e.to_string()))
         }

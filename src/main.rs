@@ -331,6 +331,11 @@ async fn real_main(
                     eprintln!("error: {e}");
                     return Ok(ExitCode::from(2));
                 }
+                Err(e @ daemon::DaemonError::KeyAccess { .. }) => {
+                    tracing::error!(error = %e, "stopping: the Redis user may not touch the worker's keys");
+                    eprintln!("error: {e}");
+                    return Ok(ExitCode::from(2));
+                }
                 Err(e @ daemon::DaemonError::Access(_)) => {
                     tracing::error!(error = %e, "stopping: Redis refused the worker's credentials");
                     eprintln!("error: {e}");

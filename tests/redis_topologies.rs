@@ -392,3 +392,122 @@ async fn sentinel_failover_loses_no_job_and_duplicates_no_result() -> anyhow::Re
     }
     Ok(())
 }
+
+/// A server whose `default` user is off and whose user `llmw` (password [`ACL_PASSWORD`])
+/// has `rules` (keys and commands), plus a user `admin` with every key and command for
+/// the test's own writes; a config for `llmw` written to `dir`.
+async fn acl_bed(
+    rules: &[&str],
+    sim: &SimHandle,
+    dir: &std::path::Path,
+) -> anyhow::Result<(
+    RedisServer,
+    std::path::PathBuf,
+    redis::aio::MultiplexedConnection,
+)> {
+    let pw = format!(">{ACL_PASSWORD}");
+    let mut args = vec![
+        "--user",
+        "default",
+        "off",
+        "--user",
+        "admin",
+        "on",
+        ">admin-pw",
+        "~*",
+        "&*",
+        "+@all",
+        "--user",
+        "llmw",
+        "on",
+        &pw,
+    ];
+    args.extend_from_slice(rules);
+    let redis = RedisServer::start_tcp_args(&args);
+    let mut tc = TestConfig::with_urls(&format!("redis://127.0.0.1:{}", redis.port()), sim.addr);
+    tc.redis_extra = "username = \"llmw\"\npassword_env = \"LLMW_PW\"".into();
+    let cfg = tc.write(dir, "acl.toml");
+    let url = format!("redis://admin:admin-pw@127.0.0.1:{}", redis.port());
+    let admin = redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    Ok((redis, cfg, admin))
+}
+
+/// Review finding: a Redis user refused EVALSHA (the command, not a key) stops the worker
+/// at start with exit 2 and says so (redis-rs prints that code as `NoPerm`, which the
+/// check for a refused user did not match: the worker waited for Redis forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_refused_evalsha_stops_the_worker_at_start() -> anyhow::Result<()> {
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let rules = ["~*", "&*", "+@all", "-evalsha", "-eval"];
+    let (_redis, cfg, mut admin) = acl_bed(&rules, &sim, dir.path()).await?;
+    push(&mut admin, "llm", &jobs("noeval", 1)).await;
+    let mut w = WorkerProc::spawn(&cfg, "noeval", &[("LLMW_PW", ACL_PASSWORD)]);
+    let status = wait_exit(&mut w, Duration::from_secs(20)).await;
+    let log = w.log();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    assert!(log.to_ascii_lowercase().contains("evalsha"), "{log}");
+    assert!(!log.contains(ACL_PASSWORD), "{log}");
+    assert!(sim.sim.stats().calls_per_job.is_empty(), "no call");
+    Ok(())
+}
+
+/// Review finding: the slots' keys are a job's path too. A user refused `{llm}:slot*`
+/// stops the worker at start with exit 2 naming them, the job left queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_refused_the_slot_keys_stops_the_worker_at_start() -> anyhow::Result<()> {
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    // Every key of the namespace but those starting `{llm}:sl`.
+    let rules = ["~{llm}:[^s]*", "~{llm}:s[^l]*", "&*", "+@all"];
+    let (_redis, cfg, mut admin) = acl_bed(&rules, &sim, dir.path()).await?;
+    push(&mut admin, "llm", &jobs("noslot", 1)).await;
+    let mut w = WorkerProc::spawn(&cfg, "noslot", &[("LLMW_PW", ACL_PASSWORD)]);
+    let status = wait_exit(&mut w, Duration::from_secs(20)).await;
+    let log = w.log();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    assert!(log.contains("{llm}:slot"), "names the slot keys: {log}");
+    assert!(sim.sim.stats().calls_per_job.is_empty(), "no call");
+    assert_eq!(
+        entries(&mut admin, &key("llm", "jobs")).await.len(),
+        1,
+        "still queued"
+    );
+    Ok(())
+}
+
+/// Review finding: ACL selectors (Redis 7) may grant key families in separate selectors,
+/// each command within one of them. The probe's combined call is then refused while
+/// every family alone passes; the worker's own commands never combine those families, so
+/// the worker starts and runs the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acl_user_whose_selectors_split_the_key_families_still_runs_jobs() -> anyhow::Result<()>
+{
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let rules = [
+        "~{llm}:[^c]*",
+        "~{llm}:c[^a]*",
+        "~{llm}:ca[^n]*",
+        "&*",
+        "+@all",
+        "(~{llm}:cancel:* ~{llm}:done:* ~{llm}:inflight:* +@all)",
+    ];
+    let (_redis, cfg, mut admin) = acl_bed(&rules, &sim, dir.path()).await?;
+    let idless = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]}).to_string();
+    push(&mut admin, "llm", &[jobs("sel", 1).remove(0), idless]).await;
+    let mut w = WorkerProc::spawn(&cfg, "sel", &[("LLMW_PW", ACL_PASSWORD)]);
+    let waited = wait_len(
+        &mut admin,
+        &key("llm", "results"),
+        2,
+        Duration::from_secs(20),
+    )
+    .await;
+    context(waited, &[&w])?;
+    assert_all_ok_once(&entries(&mut admin, &key("llm", "results")).await, 2);
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+    Ok(())
+}

@@ -958,18 +958,28 @@ impl Queue {
         })
     }
 
-    /// The first key family of a job's path the Redis user may not read and write, as a
-    /// pattern (`{llm}:cancel:*`), or `None` when it may touch them all
-    /// (`lua/access_probe.lua`: a script that declares one key of each family and touches
-    /// none; Redis checks declared keys against the ACL before running it). Without it a
-    /// user that may not touch, say, the cancel markers failed every job that met them
+    /// The key families of a job's path the Redis user may not read and write, as
+    /// patterns (`{llm}:cancel:*`); empty when it may touch them all. `extra`: more
+    /// families as (a key of it, its pattern), the slots' keys say. Runs
+    /// `lua/access_probe.lua`, a script that declares one key of each family and touches
+    /// none (Redis checks declared keys against the ACL, for reading and writing, before
+    /// running a script); refused, it asks again for each family alone. Without it a user
+    /// that may not touch, say, the cancel markers failed every job that met them
     /// (`cancel check impossible`); the daemon runs this at start and exits 2 instead.
-    /// `Err`: Redis did not answer, or refused for another reason (nothing is known).
-    pub async fn refused_key_family(&self) -> Result<Option<String>, QueueError> {
+    ///
+    /// Only a family refused on its own counts: a combination refused while each family
+    /// alone passes (ACL selectors, Redis 7, grant keys per selector) is not reported,
+    /// since the worker's own commands never combine those families. `Err`: Redis did not
+    /// answer, or refused the script itself (every family alone refused too: NOPERM for
+    /// EVALSHA), which is the caller's to judge.
+    pub async fn refused_key_families(
+        &self,
+        extra: &[(String, String)],
+    ) -> Result<Vec<String>, QueueError> {
         const PROBE: &str = "access-probe";
         let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
         let k = &self.keys;
-        let families: [(String, String); 13] = [
+        let mut families: Vec<(String, String)> = vec![
             (k.jobs.clone(), k.jobs.clone()),
             (k.results.clone(), k.results.clone()),
             (k.dead.clone(), k.dead.clone()),
@@ -984,36 +994,47 @@ impl Queue {
             (k.handed_back(PROBE), k.handed_back("*")),
             (k.cap_spent(PROBE), k.cap_spent("*")),
         ];
+        families.extend(extra.iter().cloned());
         let mut conn = self.conn.get().await?;
-        // A refused key, not a refused command (that one is the caller's `Err`).
-        let key_refused =
-            |e: &redis::RedisError| e.code() == Some("NOPERM") && e.to_string().contains("keys");
-        let mut all = crate::scripts::Call::new(&scripts::ACCESS_PROBE);
-        for (key, _) in &families {
-            all.key(key);
-        }
-        match all.invoke_value(&mut conn).await {
-            Ok(_) => return Ok(None),
-            Err(e) if !key_refused(&e) => return Err(e.into()),
-            Err(_) => {}
-        }
-        // Refused: which family (one call each, only on this path).
+        let probe = |keys: &mut dyn Iterator<Item = &String>| {
+            let mut call = crate::scripts::Call::new(&scripts::ACCESS_PROBE);
+            for key in keys {
+                call.key(key);
+            }
+            call
+        };
+        let whole = probe(&mut families.iter().map(|(key, _)| key));
+        let first = match whole.invoke_value(&mut conn).await {
+            Ok(_) => return Ok(vec![]),
+            Err(e) if e.code() == Some("NOPERM") => e,
+            Err(e) => return Err(e.into()),
+        };
+        let mut refused: Vec<String> = vec![];
         for (key, pattern) in &families {
-            let mut one = crate::scripts::Call::new(&scripts::ACCESS_PROBE);
-            one.key(key);
-            match one.invoke_value(&mut conn).await {
-                Err(e) if key_refused(&e) => return Ok(Some(pattern.clone())),
-                r => r?,
-            };
+            match probe(&mut std::iter::once(key))
+                .invoke_value(&mut conn)
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.code() == Some("NOPERM") => {
+                    if !refused.contains(pattern) {
+                        refused.push(pattern.clone());
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
-        // Refused as a whole but no family alone: name them all.
-        Ok(Some(
-            families
+        if refused.len()
+            == families
                 .iter()
-                .map(|(_, p)| p.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-        ))
+                .map(|(_, p)| p)
+                .collect::<std::collections::BTreeSet<_>>()
+                .len()
+        {
+            // Every family alone refused: the script itself is (EVALSHA not allowed).
+            return Err(first.into());
+        }
+        Ok(refused)
     }
 
     /// For each job id, whether it has a cancel marker (`{ns}:cancel:<id>`, a string as
