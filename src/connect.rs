@@ -571,11 +571,18 @@ impl redis::aio::ConnectionLike for CommandConn {
 /// `NOAUTH`, redis-rs's "authentication failed") or a command to its ACL user
 /// (`NOPERM`): a config problem no retry can fix, unlike a Redis that is away.
 pub fn refused_access(msg: &str) -> bool {
-    // Case-blind: redis-rs prints some codes in its own spelling (`NoPerm: ...`).
-    let msg = msg.to_ascii_lowercase();
-    ["wrongpass", "noauth", "noperm", "authentication failed"]
-        .iter()
-        .any(|m| msg.contains(m))
+    // The codes as Redis and redis-rs spell them (redis-rs prints NOPERM as `NoPerm:`);
+    // case-sensitive, so a host or master name like `redis-noauth-0` in a connect
+    // error is not taken for a refusal.
+    [
+        "WRONGPASS",
+        "NOAUTH",
+        "NOPERM",
+        "NoPerm:",
+        "authentication failed",
+    ]
+    .iter()
+    .any(|m| msg.contains(m))
 }
 
 /// Every key matching `pattern` (SCAN, 1000 at a time; a key may show up twice if the
@@ -644,6 +651,11 @@ mod tests {
             "NoPerm: this user has no permissions to run the 'evalsha' command"
         ));
         assert!(refused_access("NoPerm: No permissions to access a key"));
+        // A name an operator chose is not a refusal.
+        assert!(!refused_access(
+            "redis sentinel: Sentinel redis://redis-noauth-0:26379: Connection refused (os error 111)"
+        ));
+        assert!(!refused_access("master \"noperm-primary\" unknown"));
         assert!(!refused_access("Connection refused (os error 111)"));
     }
 }

@@ -283,31 +283,35 @@ pub async fn check_eviction(
 /// Records what this worker's key check found (`cfg.key_check`) in `{ns}:keycheck`
 /// (provider -> JSON: found, worker, at_ms), so `status` shows what the fleet found.
 /// Best effort and bounded: a Redis that does not answer only leaves `status` without it.
-/// Refuses to start when the Redis user may not touch a key family of a job's path
-/// ([`Queue::refused_key_families`], with the slots' keys of every pool and the
-/// cooldowns): every job meeting it would fail (or wait) instead, so the worker stops
-/// with exit 2 naming the keys, leaving every job where it is. Bounded; a Redis that does
-/// not answer here is left to the paths that retry.
+/// Refuses to start when the Redis user may not touch keys a job's path touches
+/// ([`Queue::refused_key_families`], with the slots' keys of every pool, as a release
+/// declares them, and the cooldowns): every job meeting them would fail (or wait)
+/// instead, so the worker stops with exit 2 naming the keys, leaving every job where it
+/// is. Bounded (2 s); a Redis that does not answer in time is left to the paths that
+/// retry, with a warning.
 async fn check_key_access(cfg: &Config, queue: &Queue) -> Result<(), DaemonError> {
     let sk = crate::slots::SlotKeys::new(&cfg.queue.namespace);
-    let mut extra = vec![];
+    let same = |key: String| (key.clone(), key);
+    let mut more = vec![];
     for pool in cfg.pools.keys() {
         let slot0 = sk.slot(pool, 0);
         let slots = format!("{}*", slot0.strip_suffix('0').unwrap_or(&slot0));
-        for (key, pattern) in [
-            (slot0.clone(), slots),
-            (sk.pool_size(pool), sk.pool_size(pool)),
-            (sk.slot_queue(pool), sk.slot_queue(pool)),
-            (sk.waiter_alive(pool), sk.waiter_alive(pool)),
-            (sk.wake(pool), sk.wake(pool)),
-            (sk.lease(pool), sk.lease(pool)),
-        ] {
-            extra.push((key, pattern));
-        }
+        more.push((
+            format!("slot_release.lua of pool {pool}"),
+            vec![
+                same(sk.slot_queue(pool)),
+                same(sk.lease(pool)),
+                same(sk.waiter_alive(pool)),
+                same(sk.wake(pool)),
+                (slot0, slots),
+            ],
+        ));
     }
-    let cooldowns = crate::cooldown::hash_key(&cfg.queue.namespace);
-    extra.push((cooldowns.clone(), cooldowns));
-    let probe = queue.refused_key_families(&extra);
+    more.push((
+        "the cooldowns".to_string(),
+        vec![same(crate::cooldown::hash_key(&cfg.queue.namespace))],
+    ));
+    let probe = queue.refused_key_families(&more);
     match tokio::time::timeout(Duration::from_secs(2), probe).await {
         Ok(Ok(refused)) if refused.is_empty() => Ok(()),
         Ok(Ok(refused)) => Err(DaemonError::KeyAccess {
@@ -316,17 +320,19 @@ async fn check_key_access(cfg: &Config, queue: &Queue) -> Result<(), DaemonError
             } else {
                 cfg.redis.username.clone()
             },
-            keys: refused.join(", "),
+            keys: refused.join("; "),
         }),
         Ok(Err(e)) if crate::connect::refused_access(&e.to_string()) => {
             Err(DaemonError::Access(e.to_string()))
         }
         Ok(Err(e)) => {
-            tracing::debug!(error = %e, "key access not probed at start");
+            tracing::warn!(error = %e, "the Redis user's key access was not checked at start; going on");
             Ok(())
         }
         Err(_) => {
-            tracing::debug!("key access not probed at start (timeout)");
+            tracing::warn!(
+                "the Redis user's key access was not checked at start (no answer in 2 s); going on"
+            );
             Ok(())
         }
     }

@@ -393,6 +393,15 @@ async fn sentinel_failover_loses_no_job_and_duplicates_no_result() -> anyhow::Re
     Ok(())
 }
 
+/// The worker exits 2 within 20 s, before any model call; its log.
+async fn exits_2_at_start(w: &mut WorkerProc, sim: &SimHandle) -> String {
+    let status = wait_exit(w, Duration::from_secs(20)).await;
+    let log = w.log();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    assert!(sim.sim.stats().calls_per_job.is_empty(), "no call");
+    log
+}
+
 /// A server whose `default` user is off and whose user `llmw` (password [`ACL_PASSWORD`])
 /// has `rules` (keys and commands), plus a user `admin` with every key and command for
 /// the test's own writes; a config for `llmw` written to `dir`.
@@ -445,12 +454,12 @@ async fn a_redis_user_refused_evalsha_stops_the_worker_at_start() -> anyhow::Res
     let (_redis, cfg, mut admin) = acl_bed(&rules, &sim, dir.path()).await?;
     push(&mut admin, "llm", &jobs("noeval", 1)).await;
     let mut w = WorkerProc::spawn(&cfg, "noeval", &[("LLMW_PW", ACL_PASSWORD)]);
-    let status = wait_exit(&mut w, Duration::from_secs(20)).await;
-    let log = w.log();
-    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
-    assert!(log.to_ascii_lowercase().contains("evalsha"), "{log}");
+    let log = exits_2_at_start(&mut w, &sim).await;
+    assert!(
+        log.contains("'evalsha' command"),
+        "Redis's own refusal: {log}"
+    );
     assert!(!log.contains(ACL_PASSWORD), "{log}");
-    assert!(sim.sim.stats().calls_per_job.is_empty(), "no call");
     Ok(())
 }
 
@@ -465,11 +474,8 @@ async fn a_redis_user_refused_the_slot_keys_stops_the_worker_at_start() -> anyho
     let (_redis, cfg, mut admin) = acl_bed(&rules, &sim, dir.path()).await?;
     push(&mut admin, "llm", &jobs("noslot", 1)).await;
     let mut w = WorkerProc::spawn(&cfg, "noslot", &[("LLMW_PW", ACL_PASSWORD)]);
-    let status = wait_exit(&mut w, Duration::from_secs(20)).await;
-    let log = w.log();
-    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    let log = exits_2_at_start(&mut w, &sim).await;
     assert!(log.contains("{llm}:slot"), "names the slot keys: {log}");
-    assert!(sim.sim.stats().calls_per_job.is_empty(), "no call");
     assert_eq!(
         entries(&mut admin, &key("llm", "jobs")).await.len(),
         1,
@@ -509,5 +515,48 @@ async fn an_acl_user_whose_selectors_split_the_key_families_still_runs_jobs() ->
     context(waited, &[&w])?;
     assert_all_ok_once(&entries(&mut admin, &key("llm", "results")).await, 2);
     stop_clean(&mut w, Duration::from_secs(10)).await;
+    Ok(())
+}
+
+/// Second review: families granted apart (ACL selectors) that one script call declares
+/// together fail that call; here `{llm}:results` only in a selector of its own, so the
+/// commit (jobs, results, markers in one call) could never write a result. Exit 2 at
+/// start naming them, the job left queued (before: the worker started, and the job never
+/// got a result).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn families_a_script_declares_together_but_granted_apart_stop_the_worker_at_start()
+-> anyhow::Result<()> {
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let rules = ["~{llm}:[^r]*", "&*", "+@all", "(~{llm}:results +@all)"];
+    let (_redis, cfg, mut admin) = acl_bed(&rules, &sim, dir.path()).await?;
+    push(&mut admin, "llm", &jobs("apart", 1)).await;
+    let mut w = WorkerProc::spawn(&cfg, "apart", &[("LLMW_PW", ACL_PASSWORD)]);
+    let log = exits_2_at_start(&mut w, &sim).await;
+    assert!(
+        log.contains("{llm}:results") && log.contains("together"),
+        "{log}"
+    );
+    assert_eq!(
+        entries(&mut admin, &key("llm", "jobs")).await.len(),
+        1,
+        "still queued"
+    );
+    Ok(())
+}
+
+/// Second review: the fleet heartbeat and the stall gate are a job's path too (the
+/// keepalive that keeps running entries from being taken over). A user refused
+/// `{llm}:h*` stops at start naming `{llm}:heartbeat`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_refused_the_heartbeat_stops_the_worker_at_start() -> anyhow::Result<()> {
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let dir = tempfile::tempdir()?;
+    let rules = ["~{llm}:[^h]*", "&*", "+@all"];
+    let (_redis, cfg, mut admin) = acl_bed(&rules, &sim, dir.path()).await?;
+    push(&mut admin, "llm", &jobs("nohb", 1)).await;
+    let mut w = WorkerProc::spawn(&cfg, "nohb", &[("LLMW_PW", ACL_PASSWORD)]);
+    let log = exits_2_at_start(&mut w, &sim).await;
+    assert!(log.contains("{llm}:heartbeat"), "{log}");
     Ok(())
 }

@@ -958,81 +958,133 @@ impl Queue {
         })
     }
 
-    /// The key families of a job's path the Redis user may not read and write, as
-    /// patterns (`{llm}:cancel:*`); empty when it may touch them all. `extra`: more
-    /// families as (a key of it, its pattern), the slots' keys say. Runs
-    /// `lua/access_probe.lua`, a script that declares one key of each family and touches
-    /// none (Redis checks declared keys against the ACL, for reading and writing, before
-    /// running a script); refused, it asks again for each family alone. Without it a user
-    /// that may not touch, say, the cancel markers failed every job that met them
-    /// (`cancel check impossible`); the daemon runs this at start and exits 2 instead.
+    /// What the Redis user may not read and write of the keys a job's path touches: each
+    /// item a key family refused on its own (`{llm}:cancel:*`), or families refused
+    /// together (`{llm}:jobs + {llm}:results + ... (together, as commit.lua declares
+    /// them)`: ACL selectors, Redis 7, that grant them apart); empty when nothing is
+    /// refused. Runs `lua/access_probe.lua`, a script that touches nothing, declaring
+    /// the keys of each script call and command of a job's path as that call does (Redis
+    /// checks declared keys against the ACL, for reading and writing, before running a
+    /// script): first with no key (the script itself may run), then every set in one
+    /// pipeline, then, for a set refused, each family alone. `more`: further sets (the
+    /// slots' keys of each pool, the cooldowns), as (label, [(a key, its pattern)]).
     ///
-    /// Only a family refused on its own counts: a combination refused while each family
-    /// alone passes (ACL selectors, Redis 7, grant keys per selector) is not reported,
-    /// since the worker's own commands never combine those families. `Err`: Redis did not
-    /// answer, or refused the script itself (every family alone refused too: NOPERM for
-    /// EVALSHA), which is the caller's to judge.
+    /// `Err`: Redis did not answer, or refused the script itself (NOPERM for EVALSHA),
+    /// which is the caller's to judge.
     pub async fn refused_key_families(
         &self,
-        extra: &[(String, String)],
+        more: &[(String, Vec<(String, String)>)],
     ) -> Result<Vec<String>, QueueError> {
         const PROBE: &str = "access-probe";
         let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
         let k = &self.keys;
-        let mut families: Vec<(String, String)> = vec![
-            (k.jobs.clone(), k.jobs.clone()),
-            (k.results.clone(), k.results.clone()),
-            (k.dead.clone(), k.dead.clone()),
-            (k.failed.clone(), k.failed.clone()),
-            (k.costs.clone(), k.costs.clone()),
-            (k.dropped(), k.dropped()),
-            (k.spend(&day), k.spend("*")),
-            (k.spend(&month), k.spend("*")),
-            (k.done(PROBE), k.done("*")),
-            (k.inflight(PROBE), k.inflight("*")),
-            (k.cancel(PROBE), k.cancel("*")),
-            (k.handed_back(PROBE), k.handed_back("*")),
-            (k.cap_spent(PROBE), k.cap_spent("*")),
+        let fam = |key: String, pattern: String| (key, pattern);
+        let same = |key: String| (key.clone(), key);
+        let heartbeat = format!("{}:heartbeat", k.prefix);
+        let stalled = format!("{}:stalled", k.prefix);
+        let commit = |letters: &str| {
+            vec![
+                same(k.jobs.clone()),
+                same(k.results.clone()),
+                same(k.costs.clone()),
+                same(k.dropped()),
+                fam(k.spend(&day), k.spend("*")),
+                fam(k.spend(&month), k.spend("*")),
+                same(letters.to_string()),
+                fam(k.done(PROBE), k.done("*")),
+                fam(k.inflight(PROBE), k.inflight("*")),
+                fam(k.handed_back(PROBE), k.handed_back("*")),
+            ]
+        };
+        let mut sets: Vec<(String, Vec<(String, String)>)> = vec![
+            ("commit.lua".into(), commit(&k.dead)),
+            ("commit.lua, failed jobs".into(), commit(&k.failed)),
+            (
+                "keepalive.lua".into(),
+                vec![
+                    same(k.jobs.clone()),
+                    same(heartbeat),
+                    same(stalled),
+                    same(k.dropped()),
+                    fam(k.inflight(PROBE), k.inflight("*")),
+                ],
+            ),
+            (
+                "claim_id.lua".into(),
+                vec![
+                    fam(k.done(PROBE), k.done("*")),
+                    fam(k.inflight(PROBE), k.inflight("*")),
+                    fam(k.cancel(PROBE), k.cancel("*")),
+                ],
+            ),
+            (
+                "handback.lua".into(),
+                vec![
+                    same(k.jobs.clone()),
+                    fam(k.inflight(PROBE), k.inflight("*")),
+                    fam(k.handed_back(PROBE), k.handed_back("*")),
+                ],
+            ),
+            (
+                "the cost cap's counter".into(),
+                vec![fam(k.cap_spent(PROBE), k.cap_spent("*"))],
+            ),
         ];
-        families.extend(extra.iter().cloned());
-        let mut conn = self.conn.get().await?;
-        let probe = |keys: &mut dyn Iterator<Item = &String>| {
-            let mut call = crate::scripts::Call::new(&scripts::ACCESS_PROBE);
+        sets.extend(more.iter().cloned());
+        let script = &*scripts::ACCESS_PROBE;
+        let evalsha = |keys: &[&String]| {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(script.get_hash()).arg(keys.len());
             for key in keys {
-                call.key(key);
+                cmd.arg(key.as_str());
             }
-            call
+            cmd
         };
-        let whole = probe(&mut families.iter().map(|(key, _)| key));
-        let first = match whole.invoke_value(&mut conn).await {
-            Ok(_) => return Ok(vec![]),
-            Err(e) if e.code() == Some("NOPERM") => e,
-            Err(e) => return Err(e.into()),
-        };
+        let mut conn = self.conn.get().await?;
+        // No key: may this user run the script at all (and it is loaded from here on)?
+        crate::scripts::Call::new(script)
+            .invoke_value(&mut conn)
+            .await?;
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for (_, set) in &sets {
+            pipe.add_command(evalsha(&set.iter().map(|(key, _)| key).collect::<Vec<_>>()));
+        }
+        let answers: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut conn).await?;
         let mut refused: Vec<String> = vec![];
-        for (key, pattern) in &families {
-            match probe(&mut std::iter::once(key))
-                .invoke_value(&mut conn)
-                .await
-            {
-                Ok(_) => {}
-                Err(e) if e.code() == Some("NOPERM") => {
-                    if !refused.contains(pattern) {
-                        refused.push(pattern.clone());
-                    }
-                }
+        for ((label, set), answer) in sets.iter().zip(answers) {
+            match answer.and_then(|v| v.extract_error()) {
+                Ok(_) => continue,
+                Err(e) if e.code() == Some("NOPERM") => {}
                 Err(e) => return Err(e.into()),
             }
-        }
-        if refused.len()
-            == families
-                .iter()
-                .map(|(_, p)| p)
-                .collect::<std::collections::BTreeSet<_>>()
-                .len()
-        {
-            // Every family alone refused: the script itself is (EVALSHA not allowed).
-            return Err(first.into());
+            let mut alone = vec![];
+            for (key, pattern) in set {
+                let r: redis::RedisResult<redis::Value> =
+                    evalsha(&[key]).query_async(&mut conn).await;
+                match r {
+                    Ok(_) => {}
+                    Err(e) if e.code() == Some("NOPERM") => {
+                        if !alone.contains(pattern) {
+                            alone.push(pattern.clone());
+                        }
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            if alone.is_empty() {
+                let mut all: Vec<&str> = set.iter().map(|(_, p)| p.as_str()).collect();
+                all.dedup();
+                alone.push(format!(
+                    "{} (together, as {label} declares them: one ACL selector must grant them all)",
+                    all.join(" + ")
+                ));
+            }
+            for a in alone {
+                if !refused.contains(&a) {
+                    refused.push(a);
+                }
+            }
         }
         Ok(refused)
     }
