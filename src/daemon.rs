@@ -280,9 +280,6 @@ pub async fn check_eviction(
     }
 }
 
-/// Records what this worker's key check found (`cfg.key_check`) in `{ns}:keycheck`
-/// (provider -> JSON: found, worker, at_ms), so `status` shows what the fleet found.
-/// Best effort and bounded: a Redis that does not answer only leaves `status` without it.
 /// Refuses to start when the Redis user may not touch keys a job's path touches
 /// ([`Queue::refused_key_families`], with the slots' keys of every pool, as a release
 /// declares them, and the cooldowns): every job meeting them would fail (or wait)
@@ -338,6 +335,9 @@ async fn check_key_access(cfg: &Config, queue: &Queue) -> Result<(), DaemonError
     }
 }
 
+/// Records what this worker's key check found (`cfg.key_check`) in `{ns}:keycheck`
+/// (provider -> JSON: found, worker, at_ms), so `status` shows what the fleet found.
+/// Best effort and bounded: a Redis that does not answer only leaves `status` without it.
 async fn record_key_check(cfg: &Config, pool: &crate::connect::Commands) {
     if cfg.key_check.is_empty() {
         return;

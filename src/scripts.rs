@@ -42,8 +42,9 @@ impl<'a> Call<'a> {
         self
     }
 
-    /// The EVALSHA command: hash, key count, keys, arguments.
-    fn command(&self) -> redis::Cmd {
+    /// The EVALSHA command: hash, key count, keys, arguments (for a pipeline; it does not
+    /// load the script on NOSCRIPT as [`Call::invoke_value`] does).
+    pub fn command(&self) -> redis::Cmd {
         let (keys, args) = (self.keys.args_iter(), self.args.args_iter());
         let size: usize = keys
             .clone()

@@ -186,6 +186,15 @@ impl Keys {
     pub fn dropped(&self) -> String {
         [self.prefix.as_str(), ":dropped"].concat()
     }
+    /// The fleet's heartbeat (server ms of the last keepalive; `lua/stall_gate.lua`).
+    pub fn heartbeat(&self) -> String {
+        [self.prefix.as_str(), ":heartbeat"].concat()
+    }
+    /// The stall gate: set while Redis itself stalled, so reclaims wait
+    /// (`lua/stall_gate.lua`).
+    pub fn stalled(&self) -> String {
+        [self.prefix.as_str(), ":stalled"].concat()
+    }
     /// What the workers' key checks found at start (hash: provider -> JSON).
     pub fn key_check(&self) -> String {
         [self.prefix.as_str(), ":keycheck"].concat()
@@ -978,22 +987,19 @@ impl Queue {
         const PROBE: &str = "access-probe";
         let [day, month] = crate::cost::spend_periods(crate::cost::unix_now_ms());
         let k = &self.keys;
-        let fam = |key: String, pattern: String| (key, pattern);
         let same = |key: String| (key.clone(), key);
-        let heartbeat = format!("{}:heartbeat", k.prefix);
-        let stalled = format!("{}:stalled", k.prefix);
         let commit = |letters: &str| {
             vec![
                 same(k.jobs.clone()),
                 same(k.results.clone()),
                 same(k.costs.clone()),
                 same(k.dropped()),
-                fam(k.spend(&day), k.spend("*")),
-                fam(k.spend(&month), k.spend("*")),
+                (k.spend(&day), k.spend("*")),
+                (k.spend(&month), k.spend("*")),
                 same(letters.to_string()),
-                fam(k.done(PROBE), k.done("*")),
-                fam(k.inflight(PROBE), k.inflight("*")),
-                fam(k.handed_back(PROBE), k.handed_back("*")),
+                (k.done(PROBE), k.done("*")),
+                (k.inflight(PROBE), k.inflight("*")),
+                (k.handed_back(PROBE), k.handed_back("*")),
             ]
         };
         let mut sets: Vec<(String, Vec<(String, String)>)> = vec![
@@ -1003,52 +1009,52 @@ impl Queue {
                 "keepalive.lua".into(),
                 vec![
                     same(k.jobs.clone()),
-                    same(heartbeat),
-                    same(stalled),
+                    same(k.heartbeat()),
+                    same(k.stalled()),
                     same(k.dropped()),
-                    fam(k.inflight(PROBE), k.inflight("*")),
+                    (k.inflight(PROBE), k.inflight("*")),
                 ],
             ),
             (
                 "claim_id.lua".into(),
                 vec![
-                    fam(k.done(PROBE), k.done("*")),
-                    fam(k.inflight(PROBE), k.inflight("*")),
-                    fam(k.cancel(PROBE), k.cancel("*")),
+                    (k.done(PROBE), k.done("*")),
+                    (k.inflight(PROBE), k.inflight("*")),
+                    (k.cancel(PROBE), k.cancel("*")),
                 ],
             ),
             (
                 "handback.lua".into(),
                 vec![
                     same(k.jobs.clone()),
-                    fam(k.inflight(PROBE), k.inflight("*")),
-                    fam(k.handed_back(PROBE), k.handed_back("*")),
+                    (k.inflight(PROBE), k.inflight("*")),
+                    (k.handed_back(PROBE), k.handed_back("*")),
                 ],
             ),
             (
                 "the cost cap's counter".into(),
-                vec![fam(k.cap_spent(PROBE), k.cap_spent("*"))],
+                vec![(k.cap_spent(PROBE), k.cap_spent("*"))],
             ),
         ];
         sets.extend(more.iter().cloned());
-        let script = &*scripts::ACCESS_PROBE;
-        let evalsha = |keys: &[&String]| {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(script.get_hash()).arg(keys.len());
+        // The probe's EVALSHA declaring `keys` (sent as a plain command: the keyless call
+        // below has loaded the script).
+        let evalsha = |keys: &mut dyn Iterator<Item = &String>| {
+            let mut call = crate::scripts::Call::new(&scripts::ACCESS_PROBE);
             for key in keys {
-                cmd.arg(key.as_str());
+                call.key(key);
             }
-            cmd
+            call.command()
         };
         let mut conn = self.conn.get().await?;
         // No key: may this user run the script at all (and it is loaded from here on)?
-        crate::scripts::Call::new(script)
+        crate::scripts::Call::new(&scripts::ACCESS_PROBE)
             .invoke_value(&mut conn)
             .await?;
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         for (_, set) in &sets {
-            pipe.add_command(evalsha(&set.iter().map(|(key, _)| key).collect::<Vec<_>>()));
+            pipe.add_command(evalsha(&mut set.iter().map(|(key, _)| key)));
         }
         let answers: Vec<redis::RedisResult<redis::Value>> = pipe.query_async(&mut conn).await?;
         let mut refused: Vec<String> = vec![];
@@ -1060,8 +1066,9 @@ impl Queue {
             }
             let mut alone = vec![];
             for (key, pattern) in set {
-                let r: redis::RedisResult<redis::Value> =
-                    evalsha(&[key]).query_async(&mut conn).await;
+                let r: redis::RedisResult<redis::Value> = evalsha(&mut std::iter::once(key))
+                    .query_async(&mut conn)
+                    .await;
                 match r {
                     Ok(_) => {}
                     Err(e) if e.code() == Some("NOPERM") => {
@@ -1147,8 +1154,8 @@ impl Queue {
     async fn heartbeat(&self, entries: &[(String, String)]) -> Result<Heartbeat, QueueError> {
         let mut inv = crate::scripts::Call::new(self.keepalive_script);
         inv.key(&self.keys.jobs)
-            .key(format!("{}:heartbeat", self.keys.prefix))
-            .key(format!("{}:stalled", self.keys.prefix))
+            .key(self.keys.heartbeat())
+            .key(self.keys.stalled())
             .key(self.keys.dropped());
         for (_, job_id) in entries {
             inv.key(self.keys.inflight(job_id));
@@ -1220,8 +1227,8 @@ impl Queue {
             let (stalled, reply, counts): (i64, AutoClaimReply, Vec<u64>) =
                 crate::scripts::Call::new(self.reclaim_script)
                     .key(&self.keys.jobs)
-                    .key(format!("{}:heartbeat", self.keys.prefix))
-                    .key(format!("{}:stalled", self.keys.prefix))
+                    .key(self.keys.heartbeat())
+                    .key(self.keys.stalled())
                     .key(self.keys.dropped())
                     .arg(&self.group)
                     .arg(&self.consumer)
