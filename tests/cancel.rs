@@ -561,6 +561,60 @@ async fn a_batch_cancel_check_gives_each_job_without_an_id_its_own_flag() -> any
     Ok(())
 }
 
+/// A job without an id, as a producer pushes one.
+fn idless(t: &str) -> String {
+    serde_json::json!({"messages": [{"role": "user", "content": t}]}).to_string()
+}
+
+/// What [`one_calling_one_waiting_cancelled`] set up.
+struct Bed {
+    redis: RedisServer,
+    sim: SimHandle,
+    _dir: tempfile::TempDir,
+    conn: redis::aio::MultiplexedConnection,
+    pushed: Vec<String>,
+    w: WorkerProc,
+}
+
+/// One worker (concurrency 1, `read_ahead`) on a model of `latency_ms`, two jobs without
+/// an id: the first calling, the second read ahead and waiting for its turn, its cancel
+/// marker set now.
+async fn one_calling_one_waiting_cancelled(
+    latency_ms: u64,
+    read_ahead: usize,
+) -> anyhow::Result<Bed> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 1;
+    tc.read_ahead = read_ahead;
+    let dir = tempfile::tempdir()?;
+    let cfg = tc.write(dir.path(), "o.toml");
+    let mut conn = redis.conn().await;
+    let pushed = push(&mut conn, "llm", &[idless("slow"), idless("cancel me")]).await;
+    let w = WorkerProc::spawn(&cfg, "o1", &[]);
+    assert!(in_flight_at_least(&sim, 1, T).await, "{}", w.log());
+    let read = wait_for(T, || {
+        let mut c = conn.clone();
+        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 2 }
+    })
+    .await;
+    assert!(read, "the second job read ahead\n{}", w.log());
+    set_cancel_marker(&mut conn, &pushed[1]).await?;
+    Ok(Bed {
+        redis,
+        sim,
+        _dir: dir,
+        conn,
+        pushed,
+        w,
+    })
+}
+
 /// Review finding: a job without an id read ahead (checked with its entry, then waiting
 /// over 100 ms for its turn) whose cancel marker is set meanwhile, and whose own check
 /// before its call meets Redis stopped (SIGSTOP, longer than the check's 1 s bound):
@@ -570,30 +624,14 @@ async fn a_batch_cancel_check_gives_each_job_without_an_id_its_own_flag() -> any
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_check_that_meets_a_stopped_redis_asks_again_and_makes_no_call()
 -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions {
-        latency_ms: 2000,
-        ..SimOptions::default()
-    })
-    .await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.concurrency = 1;
-    tc.read_ahead = 1;
-    let dir = tempfile::tempdir()?;
-    let cfg = tc.write(dir.path(), "o.toml");
-    let mut conn = redis.conn().await;
-    let idless =
-        |t: &str| serde_json::json!({"messages": [{"role": "user", "content": t}]}).to_string();
-    let pushed = push(&mut conn, "llm", &[idless("slow"), idless("cancel me")]).await;
-    let mut w = WorkerProc::spawn(&cfg, "o1", &[]);
-    assert!(in_flight_at_least(&sim, 1, T).await, "{}", w.log());
-    assert_eq!(
-        pending_count(&mut conn, "{llm}:jobs", "workers").await,
-        2,
-        "the second job read ahead\n{}",
-        w.log()
-    );
-    set_cancel_marker(&mut conn, &pushed[1]).await?;
+    let Bed {
+        redis,
+        sim,
+        _dir,
+        pushed,
+        mut w,
+        ..
+    } = one_calling_one_waiting_cancelled(2000, 1).await?;
     let rpid = redis.pid().expect("redis-server's pid");
     signal(rpid, "STOP");
     let saw = wait_log(
@@ -612,6 +650,88 @@ async fn a_cancel_check_that_meets_a_stopped_redis_asks_again_and_makes_no_call(
     assert!(
         saw,
         "the second job's own check met the outage\n{}",
+        w.log()
+    );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+/// A job without an id read ahead has its cancel marker read again with each later read
+/// while it waits for its turn (one command with the new entries' markers), so a marker
+/// set while it waits is known when its turn comes without a round trip of its own:
+/// here Redis is stopped (SIGSTOP) from just after such a read until after the job's
+/// turn, and the job still ends `cancelled`, with no call and no check of its own that
+/// meets the outage (before, it read its marker itself once it had waited over 100 ms,
+/// one round trip a job for every job read ahead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_read_ahead_is_checked_again_by_the_next_read() -> anyhow::Result<()> {
+    let Bed {
+        redis,
+        sim,
+        _dir,
+        mut conn,
+        pushed,
+        mut w,
+    } = one_calling_one_waiting_cancelled(2500, 2).await?;
+    // A third job: read at once (a read permit is free), and with it the waiting
+    // job's marker.
+    let third = push(&mut conn, "llm", &[idless("third")]).await;
+    assert!(
+        wait_for(T, || {
+            let mut c = conn.clone();
+            async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 3 }
+        })
+        .await,
+        "the third job read\n{}",
+        w.log()
+    );
+    // The read's check is sent right after the read and answered within milliseconds.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rpid = redis.pid().expect("redis-server's pid");
+    signal(rpid, "STOP");
+    let calling = sim.sim.stats().in_flight;
+    // The first call ends while Redis is stopped: the second job's turn comes then.
+    let ended = wait_for(T, || async { sim.sim.stats().in_flight == 0 }).await;
+    // Its own check, had it sent one, would have given up after 1 s and said so.
+    let own_check = format!("entry={} ", pushed[1]);
+    let said = wait_for(Duration::from_secs(3), || async {
+        w.log()
+            .lines()
+            .any(|l| l.contains("cancel check failed") && l.contains(&own_check))
+    })
+    .await;
+    // The third job, read after the second's recheck, has no later read: its own check
+    // meets the outage (the log line this test looks for is the one it would print).
+    let third_check = format!("entry={} ", third[0]);
+    let third_said = wait_for(Duration::from_secs(5), || async {
+        w.log()
+            .lines()
+            .any(|l| l.contains("cancel check failed") && l.contains(&third_check))
+    })
+    .await;
+    signal(rpid, "CONT");
+    assert_eq!(
+        calling,
+        1,
+        "the first call still ran when Redis stopped\n{}",
+        w.log()
+    );
+    assert!(ended, "the first call ended\n{}", w.log());
+    assert!(
+        third_said,
+        "the third job's own check met the outage\n{}",
+        w.log()
+    );
+    let mut conn = redis.conn().await;
+    context(wait_len(&mut conn, "{llm}:results", 3, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    assert_eq!(r[&pushed[0]]["status"], "ok", "{:?}", r[&pushed[0]]);
+    assert_eq!(r[&pushed[1]]["status"], "cancelled", "{:?}", r[&pushed[1]]);
+    assert_eq!(calls_of(&sim, &pushed[1]), 0, "no call\n{}", w.log());
+    assert_eq!(r[&third[0]]["status"], "ok", "{:?}", r[&third[0]]);
+    assert!(
+        !said,
+        "the waiting job's marker was known from the third job's read, not read again\n{}",
         w.log()
     );
     stop_clean(&mut w, T).await;

@@ -81,7 +81,7 @@ impl Worker {
     }
 
     /// Every [`CANCEL_POLL`]: closes the rate blocks whose second ended. While jobs run
-    /// here: one round trip (a pipeline of EXISTS)
+    /// here: one round trip (an MGET)
     /// asks whether their ids have a cancel marker, and fires the stop switch of each that
     /// has. No jobs, no round trip.
     pub(super) async fn watch_cancels(self: Arc<Self>, stop: CancellationToken) {

@@ -204,14 +204,32 @@ impl Worker {
         on_wire: &OnWire,
     ) -> Option<Commit> {
         // A task read ahead waits here for a job to end. Its cancel marker was read with
-        // the entry; after a long wait it is read again (below) before any call.
+        // the entry, and again with each read while it waits (`awaiting`); after a long
+        // wait with no read that recent it is read again (below) before any call.
+        let recheck = d.cancel_check.as_ref().map(|_| {
+            let r = Arc::new(Recheck::new());
+            let id = super::reader::job_id_of(d).to_string();
+            lock(&self.awaiting).insert(d.entry_id.clone(), (id, r.clone()));
+            r
+        });
+        let waiting = AwaitGuard(self, &d.entry_id, recheck.clone());
         let waited = self.regain_permit(&d.entry_id).await?;
+        drop(waiting);
         // The reader's check of this entry, if it sent one: `Some(found)` once answered.
         let read_with_entry = match &d.cancel_check {
             Some(check) => self.unless_draining(check.wait()).await?,
             None => None,
         };
-        let cancel_known = read_with_entry.is_some() && waited < CANCEL_CHECK_FRESH;
+        // A later read's word, if one came: a marker found counts whenever; none found,
+        // only if that read was sent less than CANCEL_CHECK_FRESH ago.
+        let later = recheck.and_then(|r| r.status(CANCEL_CHECK_FRESH));
+        let read_with_entry = if later == Some(true) {
+            Some(true)
+        } else {
+            read_with_entry
+        };
+        let cancel_known =
+            (read_with_entry.is_some() && waited < CANCEL_CHECK_FRESH) || later == Some(false);
         if let Some(reason) = &d.malformed {
             tracing::warn!(entry = %d.entry_id, %reason, "invalid job entry; dead-lettered");
             let id = job::salvage_id(d.payload.as_deref());
@@ -1298,7 +1316,8 @@ fn within_cap(
 }
 
 /// A cancel marker read with the entry still counts before its call if the job waited
-/// less than this for its job permit (read ahead); after a longer wait it is read again,
+/// less than this for its job permit (read ahead), as does one read with a later read
+/// while it waited (`Worker::awaiting`) and sent less than this before; else it is read again,
 /// so a cancel set meanwhile stops the job before any call (the cancel watcher covers
 /// the jobs already past their parse, every `CANCEL_POLL`). A marker found with the
 /// entry always counts.

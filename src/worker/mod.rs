@@ -136,6 +136,87 @@ pub struct Worker {
     /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
     /// takes no new jobs (each paused job pushes it on while it still waits).
     paused_until: Mutex<Option<Instant>>,
+    /// Tasks of jobs without a producer id waiting for a job permit (read ahead), by
+    /// entry id: (job id, the newest later read of its cancel marker). Each read's cancel
+    /// check, beside the read, asks for their markers too, so a task that waited longer
+    /// than `CANCEL_CHECK_FRESH` for its permit mostly finds a read that recent and makes
+    /// no round trip of its own before its call (at 40 jobs/s it made one a job). Only a
+    /// read with a job without an id among its entries sends that command. Registered by
+    /// the task while it waits; its [`AwaitGuard`] removes it.
+    awaiting: Mutex<FastMap<String, (String, Arc<Recheck>)>>,
+}
+
+/// The newest read of a waiting task's cancel marker sent after the one with its entry:
+/// when it was sent, and whether it found the marker. Found stays found (a cancel is never
+/// taken back); a read sent earlier never replaces a later one.
+pub(super) struct Recheck {
+    /// Registration order: job permits go first come, first served, so the lowest are
+    /// the next to start (see [`next_in_line`]).
+    order: u64,
+    last: Mutex<Option<(Instant, bool)>>,
+}
+
+impl Recheck {
+    pub(super) fn new() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        Recheck {
+            order: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// A read of the marker sent at `sent` found it (`true`) or not.
+    pub(super) fn record(&self, sent: Instant, found: bool) {
+        let mut r = crate::sync::lock(&self.last);
+        match *r {
+            Some((_, true)) => {}
+            Some((t, false)) if !found && t >= sent => {}
+            _ => *r = Some((sent, found)),
+        }
+    }
+
+    /// `Some(true)`: a read found the marker; `Some(false)`: a read sent less than
+    /// `fresh` ago found none; `None`: no such read (the task reads it itself).
+    pub(super) fn status(&self, fresh: std::time::Duration) -> Option<bool> {
+        match *crate::sync::lock(&self.last) {
+            Some((_, true)) => Some(true),
+            Some((t, false)) if t.elapsed() < fresh => Some(false),
+            _ => None,
+        }
+    }
+}
+
+/// The waiting tasks whose markers a read asks for again: at most `cap` (the job
+/// concurrency), those registered first, which are the next to get a job permit; so the
+/// command stays small whatever `read_ahead` is (up to 10,000).
+pub(super) fn next_in_line(
+    awaiting: &FastMap<String, (String, Arc<Recheck>)>,
+    cap: usize,
+) -> Vec<(String, Arc<Recheck>)> {
+    let mut all: Vec<&(String, Arc<Recheck>)> = awaiting.values().collect();
+    if all.len() > cap {
+        all.select_nth_unstable_by_key(cap, |(_, r)| r.order);
+        all.truncate(cap);
+    }
+    all.into_iter().cloned().collect()
+}
+
+/// Removes a waiting task from [`Worker::awaiting`] however its wait ends (only its own
+/// registration: the same entry registered again by another task stays).
+pub(super) struct AwaitGuard<'a>(
+    pub(super) &'a Worker,
+    pub(super) &'a str,
+    pub(super) Option<Arc<Recheck>>,
+);
+
+impl Drop for AwaitGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mine) = &self.2 else { return };
+        let mut a = crate::sync::lock(&self.0.awaiting);
+        if a.get(self.1).is_some_and(|(_, r)| Arc::ptr_eq(r, mine)) {
+            a.remove(self.1);
+        }
+    }
 }
 
 /// One model's /metrics handles.
@@ -248,6 +329,7 @@ impl Worker {
                 .map(|m| (m.clone(), ModelMetrics::new(m)))
                 .collect(),
             paused_until: Mutex::new(None),
+            awaiting: Mutex::new(FastMap::default()),
         })
     }
 }
@@ -332,6 +414,46 @@ impl Recent {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_recheck_keeps_a_found_marker_and_the_newest_read_only() {
+        let fresh = Duration::from_millis(100);
+        let r = Recheck::new();
+        assert_eq!(r.status(fresh), None, "no read yet");
+        let t1 = Instant::now();
+        tokio::time::advance(Duration::from_millis(30)).await;
+        let t2 = Instant::now();
+        r.record(t2, false);
+        r.record(t1, false); // an older read answered late
+        tokio::time::advance(Duration::from_millis(80)).await;
+        assert_eq!(
+            r.status(fresh),
+            Some(false),
+            "the newer read counts: sent 80 ms ago"
+        );
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert_eq!(r.status(fresh), None, "100 ms after its read: stale");
+        r.record(t1, true); // an older read that found the marker
+        r.record(Instant::now(), false);
+        assert_eq!(r.status(fresh), Some(true), "a found marker stays found");
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(r.status(fresh), Some(true));
+    }
+
+    #[test]
+    fn the_next_in_line_are_the_waiters_registered_first() {
+        let mut a: FastMap<String, (String, Arc<Recheck>)> = FastMap::default();
+        let made: Vec<Arc<Recheck>> = (0..10).map(|_| Arc::new(Recheck::new())).collect();
+        // Inserted in another order than made.
+        for i in [7, 2, 9, 0, 5, 1, 8, 3, 6, 4] {
+            a.insert(format!("{i}-0"), (format!("job{i}"), made[i].clone()));
+        }
+        let mut next: Vec<String> = next_in_line(&a, 3).into_iter().map(|(id, _)| id).collect();
+        next.sort();
+        assert_eq!(next, ["job0", "job1", "job2"]);
+        assert_eq!(next_in_line(&a, 64).len(), 10, "fewer than the cap: all");
+        assert!(next_in_line(&a, 0).is_empty());
+    }
 
     #[test]
     fn recent_keeps_the_last_entries_only() {

@@ -342,13 +342,26 @@ impl Worker {
             .iter()
             .map(|&i| job_id_of(&deliveries[i]).to_string())
             .collect();
+        // The tasks read earlier and still waiting for a job permit, the next
+        // `concurrency` of them: their markers are read again in the same command.
+        let waiting = super::next_in_line(&lock(&self.awaiting), self.cfg.worker.concurrency());
         let (tx, rx) = tokio::sync::watch::channel(None);
         let queue = self.queue.clone();
         tokio::spawn(async move {
-            let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+            let refs: Vec<&str> = ids
+                .iter()
+                .chain(waiting.iter().map(|(id, _)| id))
+                .map(String::as_str)
+                .collect();
+            let sent = Instant::now();
             let asked = tokio::time::timeout(Duration::from_secs(1), queue.cancelled(&refs));
             let flags: CancelFlags = match asked.await {
-                Ok(Ok(f)) if f.len() == refs.len() => Some(f.into()),
+                Ok(Ok(f)) if f.len() == refs.len() => {
+                    for ((_, r), &found) in waiting.iter().zip(&f[ids.len()..]) {
+                        r.record(sent, found);
+                    }
+                    Some(f[..ids.len()].into())
+                }
                 _ => None,
             };
             // No task waiting any more (all ended): nobody to tell.
@@ -414,6 +427,6 @@ fn unkeyed(deliveries: &[Delivery]) -> Vec<usize> {
 }
 
 /// The job id of an entry without a producer id: the entry id it was first pushed as.
-fn job_id_of(d: &Delivery) -> &str {
+pub(super) fn job_id_of(d: &Delivery) -> &str {
     d.first_entry.as_deref().unwrap_or(&d.entry_id)
 }
