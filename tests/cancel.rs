@@ -566,7 +566,16 @@ fn idless(t: &str) -> String {
     serde_json::json!({"messages": [{"role": "user", "content": t}]}).to_string()
 }
 
-/// What [`one_calling_one_waiting_cancelled`] set up.
+/// Whether the job of `entry` read its cancel marker itself and the read failed (the
+/// log line of that check).
+fn checked_itself(w: &WorkerProc, entry: &str) -> bool {
+    let needle = format!("entry={entry} ");
+    w.log()
+        .lines()
+        .any(|l| l.contains("cancel check failed") && l.contains(&needle))
+}
+
+/// What [`one_calling_others_waiting`] set up.
 struct Bed {
     redis: RedisServer,
     sim: SimHandle,
@@ -576,12 +585,14 @@ struct Bed {
     w: WorkerProc,
 }
 
-/// One worker (concurrency 1, `read_ahead`) on a model of `latency_ms`, two jobs without
-/// an id: the first calling, the second read ahead and waiting for its turn, its cancel
-/// marker set now.
-async fn one_calling_one_waiting_cancelled(
+/// One worker (concurrency 1, `read_ahead`) on a model of `latency_ms`, `jobs` jobs
+/// without an id: the first calling, the others read ahead and waiting for their turn;
+/// the cancel marker of the job at `cancel` set now.
+async fn one_calling_others_waiting(
     latency_ms: u64,
     read_ahead: usize,
+    jobs: usize,
+    cancel: usize,
 ) -> anyhow::Result<Bed> {
     let redis = RedisServer::start();
     let sim = SimHandle::start(SimOptions {
@@ -595,16 +606,17 @@ async fn one_calling_one_waiting_cancelled(
     let dir = tempfile::tempdir()?;
     let cfg = tc.write(dir.path(), "o.toml");
     let mut conn = redis.conn().await;
-    let pushed = push(&mut conn, "llm", &[idless("slow"), idless("cancel me")]).await;
+    let payloads: Vec<String> = (0..jobs).map(|i| idless(&format!("job {i}"))).collect();
+    let pushed = push(&mut conn, "llm", &payloads).await;
     let w = WorkerProc::spawn(&cfg, "o1", &[]);
     assert!(in_flight_at_least(&sim, 1, T).await, "{}", w.log());
     let read = wait_for(T, || {
         let mut c = conn.clone();
-        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 2 }
+        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == jobs as i64 }
     })
     .await;
-    assert!(read, "the second job read ahead\n{}", w.log());
-    set_cancel_marker(&mut conn, &pushed[1]).await?;
+    assert!(read, "the jobs after the first read ahead\n{}", w.log());
+    set_cancel_marker(&mut conn, &pushed[cancel]).await?;
     Ok(Bed {
         redis,
         sim,
@@ -631,7 +643,7 @@ async fn a_cancel_check_that_meets_a_stopped_redis_asks_again_and_makes_no_call(
         pushed,
         mut w,
         ..
-    } = one_calling_one_waiting_cancelled(2000, 1).await?;
+    } = one_calling_others_waiting(2000, 1, 2, 1).await?;
     let rpid = redis.pid().expect("redis-server's pid");
     signal(rpid, "STOP");
     let saw = wait_log(
@@ -672,7 +684,7 @@ async fn a_job_read_ahead_is_checked_again_by_the_next_read() -> anyhow::Result<
         mut conn,
         pushed,
         mut w,
-    } = one_calling_one_waiting_cancelled(2500, 2).await?;
+    } = one_calling_others_waiting(2500, 2, 2, 1).await?;
     // A third job: read at once (a read permit is free), and with it the waiting
     // job's marker.
     let third = push(&mut conn, "llm", &[idless("third")]).await;
@@ -693,20 +705,14 @@ async fn a_job_read_ahead_is_checked_again_by_the_next_read() -> anyhow::Result<
     // The first call ends while Redis is stopped: the second job's turn comes then.
     let ended = wait_for(T, || async { sim.sim.stats().in_flight == 0 }).await;
     // Its own check, had it sent one, would have given up after 1 s and said so.
-    let own_check = format!("entry={} ", pushed[1]);
     let said = wait_for(Duration::from_secs(3), || async {
-        w.log()
-            .lines()
-            .any(|l| l.contains("cancel check failed") && l.contains(&own_check))
+        checked_itself(&w, &pushed[1])
     })
     .await;
     // The third job, read after the second's recheck, has no later read: its own check
     // meets the outage (the log line this test looks for is the one it would print).
-    let third_check = format!("entry={} ", third[0]);
     let third_said = wait_for(Duration::from_secs(5), || async {
-        w.log()
-            .lines()
-            .any(|l| l.contains("cancel check failed") && l.contains(&third_check))
+        checked_itself(&w, &third[0])
     })
     .await;
     signal(rpid, "CONT");
@@ -734,6 +740,65 @@ async fn a_job_read_ahead_is_checked_again_by_the_next_read() -> anyhow::Result<
         "the waiting job's marker was known from the third job's read, not read again\n{}",
         w.log()
     );
+    stop_clean(&mut w, T).await;
+    Ok(())
+}
+
+/// The same when the job whose turn comes first reads its own marker (it waited over
+/// 100 ms, and no read came meanwhile): the jobs waiting behind it are read in the same
+/// command, so a marker set for one of them is known at its turn without a round trip of
+/// its own. Redis is stopped (SIGSTOP) from while the second job calls until after the
+/// third's turn: the third ends `cancelled` with no call and no check of its own; the
+/// fourth, whose read is stale by then, checks itself and meets the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_reading_its_own_marker_reads_those_waiting_behind_it_too() -> anyhow::Result<()> {
+    let Bed {
+        redis,
+        sim,
+        _dir,
+        pushed,
+        mut w,
+        ..
+    } = one_calling_others_waiting(2000, 3, 4, 2).await?;
+    // The first call ends; the second job's own check reads the third's marker too.
+    let second = wait_for(T, || async { calls_of(&sim, &pushed[1]) == 1 }).await;
+    assert!(second, "the second job calls\n{}", w.log());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rpid = redis.pid().expect("redis-server's pid");
+    signal(rpid, "STOP");
+    let calling = sim.sim.stats().in_flight;
+    let ended = wait_for(T, || async { sim.sim.stats().in_flight == 0 }).await;
+    let own = |i: usize| checked_itself(&w, &pushed[i]);
+    // Whichever checks itself first (the third, had its marker not come with the
+    // second's read, would keep retrying and hold the fourth back).
+    wait_for(Duration::from_secs(5), || async { own(2) || own(3) }).await;
+    let (third_said, fourth_said) = (own(2), own(3));
+    signal(rpid, "CONT");
+    assert_eq!(
+        calling,
+        1,
+        "the second call still ran when Redis stopped\n{}",
+        w.log()
+    );
+    assert!(ended, "the second call ended\n{}", w.log());
+    assert!(
+        !third_said,
+        "the third job's marker was known from the second job's read, not read again\n{}",
+        w.log()
+    );
+    assert!(
+        fourth_said,
+        "the fourth job's own check met the outage\n{}",
+        w.log()
+    );
+    let mut conn = redis.conn().await;
+    context(wait_len(&mut conn, "{llm}:results", 4, T).await, &[&w])?;
+    let r = by_id(&entries(&mut conn, "{llm}:results").await);
+    for i in [0, 1, 3] {
+        assert_eq!(r[&pushed[i]]["status"], "ok", "{:?}", r[&pushed[i]]);
+    }
+    assert_eq!(r[&pushed[2]]["status"], "cancelled", "{:?}", r[&pushed[2]]);
+    assert_eq!(calls_of(&sim, &pushed[2]), 0, "no call\n{}", w.log());
     stop_clean(&mut w, T).await;
     Ok(())
 }

@@ -307,3 +307,28 @@ async fn a_job_held_long_checks_its_entry_is_still_ours_before_its_call() -> any
     stop_clean(&mut w, Duration::from_secs(6)).await;
     Ok(())
 }
+
+/// While half the read-ahead or more waits for a job permit, the reader waits until as
+/// many read permits are free and takes that many jobs in one read, instead of a read
+/// (and its cancel check) at each job's end: 24 jobs, concurrency 1, read-ahead 4 read
+/// in about 12 reads (before: one a job, about 20).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_jobs_in_line_reads_several_at_once() -> anyhow::Result<()> {
+    let mut bed = Bed::new(50, 1, 4).await?;
+    push(&mut bed.conn, "llm", &jobs("job", 24)).await;
+    let before = calls_of(&mut bed.conn, "xreadgroup").await;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 24, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let reads = calls_of(&mut bed.conn, "xreadgroup").await - before;
+    assert_all_ok_once(&entries(&mut bed.conn, "{llm}:results").await, 24);
+    assert!(
+        reads <= 15,
+        "24 jobs read in {reads} reads: two or more at a time while jobs wait in line\n{}",
+        w.log()
+    );
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}

@@ -184,11 +184,23 @@ impl Worker {
         {
             lock(&self.read_permits).insert(entry_id.to_string(), read);
         }
+        // In line until the permit comes or the wait ends otherwise (the reader counts
+        // the tasks in line; see `Worker::run`).
+        struct InLine<'a>(&'a Worker);
+        impl Drop for InLine<'_> {
+            fn drop(&mut self) {
+                self.0.in_line.fetch_sub(1, Ordering::SeqCst);
+                self.0.place_taken.notify_one();
+            }
+        }
+        self.in_line.fetch_add(1, Ordering::SeqCst);
+        let in_line = InLine(self);
         let permit = tokio::select! {
             biased;
             _ = self.draining.cancelled() => return None,
             p = self.sem.clone().acquire_owned() => p.ok()?,
         };
+        drop(in_line);
         lock(&self.permits).insert(entry_id.to_string(), permit);
         Some(began.elapsed())
     }
@@ -372,12 +384,21 @@ impl Worker {
                 // Its own read, as the id claim does for a job with an id: retried while
                 // Redis does not answer; an error retrying cannot heal (NOPERM: an ACL
                 // without `{ns}:cancel:*`) fails the job without a call, never calls it
-                // unchecked.
-                let ids = [job.id.as_str()];
+                // unchecked. The waiters next in line ride along (see `awaiting`): at
+                // one job start every 25 ms, one read serves the next few.
                 loop {
+                    let others =
+                        super::next_in_line(&lock(&self.awaiting), self.cfg.worker.concurrency());
+                    let ids: Vec<&str> = std::iter::once(job.id.as_str())
+                        .chain(others.iter().map(|(id, _)| id.as_str()))
+                        .collect();
+                    let sent = Instant::now();
                     let asked = self.queue.cancelled(&ids);
                     let e = match tokio::time::timeout(Duration::from_secs(1), asked).await {
-                        Ok(Ok(f)) => break f.first() == Some(&true),
+                        Ok(Ok(f)) => {
+                            super::record_rechecks(&others, sent, f.get(1..).unwrap_or(&[]));
+                            break f.first() == Some(&true);
+                        }
                         Ok(Err(e)) => e,
                         Err(_) => QueueError::Timeout(Duration::from_secs(1)),
                     };

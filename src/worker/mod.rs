@@ -144,6 +144,11 @@ pub struct Worker {
     /// read with a job without an id among its entries sends that command. Registered by
     /// the task while it waits; its [`AwaitGuard`] removes it.
     awaiting: Mutex<FastMap<String, (String, Arc<Recheck>)>>,
+    /// Tasks waiting for a job permit (read ahead), and a wake-up for the reader each
+    /// time one gets it: the reader holds its next read back while half the read-ahead
+    /// or more still waits (see `Worker::run`).
+    in_line: std::sync::atomic::AtomicUsize,
+    place_taken: tokio::sync::Notify,
 }
 
 /// The newest read of a waiting task's cancel marker sent after the one with its entry:
@@ -199,6 +204,14 @@ pub(super) fn next_in_line(
         all.truncate(cap);
     }
     all.into_iter().cloned().collect()
+}
+
+/// Records a read's answers for the waiters that rode along in it (`flags` in their
+/// order; `sent`: when the read was sent).
+pub(super) fn record_rechecks(waiting: &[(String, Arc<Recheck>)], sent: Instant, flags: &[bool]) {
+    for ((_, r), &found) in waiting.iter().zip(flags) {
+        r.record(sent, found);
+    }
 }
 
 /// Removes a waiting task from [`Worker::awaiting`] however its wait ends (only its own
@@ -330,6 +343,8 @@ impl Worker {
                 .collect(),
             paused_until: Mutex::new(None),
             awaiting: Mutex::new(FastMap::default()),
+            in_line: std::sync::atomic::AtomicUsize::new(0),
+            place_taken: tokio::sync::Notify::new(),
         })
     }
 }

@@ -104,6 +104,32 @@ impl Worker {
             while let Ok(p) = sem.clone().try_acquire_owned() {
                 permits.push(p);
             }
+            // While half the read-ahead or more still waits for a job permit, a read
+            // waits until as many read permits are free, and takes that many jobs at
+            // once: not a read (and its cancel check) at each job's end, which is what
+            // a process running a few jobs a second did (8 processes, each holding
+            // `concurrency` jobs that wait for their share of the fleet's slots: 0.55
+            // reads a job). A job starting frees no read permit, so the reader also wakes
+            // at each start to see whether the line got short.
+            let floor = (self.cfg.worker.read_ahead() / 2).max(1);
+            while permits.len() < floor && self.in_line.load(Ordering::SeqCst) >= floor {
+                tokio::select! {
+                    p = sem.clone().acquire_owned() => match p {
+                        Ok(p) => permits.push(p),
+                        Err(_) => break,
+                    },
+                    _ = self.place_taken.notified() => {}
+                    _ = stop.cancelled() => break,
+                    // Still alive, for the watchdog (every job long in its call).
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => self.state.beat(),
+                }
+                while let Ok(p) = sem.clone().try_acquire_owned() {
+                    permits.push(p);
+                }
+            }
+            if stop.is_cancelled() {
+                break;
+            }
             if conn.is_none() {
                 match self.connect_reader().await {
                     Ok((c, id)) => {
@@ -357,9 +383,7 @@ impl Worker {
             let asked = tokio::time::timeout(Duration::from_secs(1), queue.cancelled(&refs));
             let flags: CancelFlags = match asked.await {
                 Ok(Ok(f)) if f.len() == refs.len() => {
-                    for ((_, r), &found) in waiting.iter().zip(&f[ids.len()..]) {
-                        r.record(sent, found);
-                    }
+                    super::record_rechecks(&waiting, sent, &f[ids.len()..]);
                     Some(f[..ids.len()].into())
                 }
                 _ => None,
