@@ -401,3 +401,54 @@ async fn an_evicting_or_full_redis_is_named_at_start() {
     assert!(said, "{log}");
     assert!(!log.contains("cannot reach Redis"), "{log}");
 }
+
+/// The watchdog keeps getting pinged while the reader holds its next read back for jobs
+/// in line (read-ahead 16: it reads once 8 read permits are free) and jobs end less than
+/// a second apart: every pass of that wait counts as the reader's round, not only a full
+/// second without a job ending (before, 8 job ends 0.5 s apart went 4 s without one,
+/// and systemd, `WatchdogSec=2`, would have killed a healthy worker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watchdog_is_pinged_while_the_reader_waits_for_a_batch_of_permits() {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions {
+        latency_ms: 500,
+        ..SimOptions::default()
+    })
+    .await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.concurrency = 1;
+    tc.read_ahead = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tc.write(dir.path(), "w.toml");
+    let sock_path = dir.path().join("notify.sock");
+    let sock = tokio::net::UnixDatagram::bind(&sock_path).unwrap();
+    let mut conn = redis.conn().await;
+    push(&mut conn, "llm", &jobs("job", 40)).await;
+    let env = [
+        ("NOTIFY_SOCKET", sock_path.to_str().unwrap()),
+        ("WATCHDOG_USEC", "2000000"),
+    ];
+    let mut w = WorkerProc::spawn(&cfg, "w1", &env);
+    let mut buf = vec![0u8; 4096];
+    let mut pings = vec![];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(9);
+    while tokio::time::Instant::now() < deadline {
+        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(1), sock.recv(&mut buf)).await
+            && String::from_utf8_lossy(&buf[..n]).contains("WATCHDOG=1")
+        {
+            pings.push(tokio::time::Instant::now());
+        }
+    }
+    let longest = pings
+        .windows(2)
+        .map(|p| p[1] - p[0])
+        .max()
+        .unwrap_or(Duration::MAX);
+    assert!(
+        pings.len() >= 5 && longest < Duration::from_millis(1900),
+        "a ping at least every 2 s (the watchdog's time): {} pings, longest gap {longest:?}\n{}",
+        pings.len(),
+        w.log()
+    );
+    stop_clean(&mut w, Duration::from_secs(10)).await;
+}

@@ -113,6 +113,9 @@ impl Worker {
             // at each start to see whether the line got short.
             let floor = (self.cfg.worker.read_ahead() / 2).max(1);
             while permits.len() < floor && self.in_line.load(Ordering::SeqCst) >= floor {
+                // Each pass is a round of the reader for the watchdog: a job ending
+                // less than a second after the last restarts the sleep below.
+                self.state.beat();
                 tokio::select! {
                     p = sem.clone().acquire_owned() => match p {
                         Ok(p) => permits.push(p),
@@ -120,8 +123,8 @@ impl Worker {
                     },
                     _ = self.place_taken.notified() => {}
                     _ = stop.cancelled() => break,
-                    // Still alive, for the watchdog (every job long in its call).
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => self.state.beat(),
+                    // At least a pass a second (every job long in its call).
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
                 }
                 while let Ok(p) = sem.clone().try_acquire_owned() {
                     permits.push(p);
@@ -129,6 +132,11 @@ impl Worker {
             }
             if stop.is_cancelled() {
                 break;
+            }
+            if self.budget_pause_left().is_some() {
+                // A budget paused while the reader waited: no read now (the permits go
+                // back; the pause is waited out at the top).
+                continue;
             }
             if conn.is_none() {
                 match self.connect_reader().await {
