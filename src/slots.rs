@@ -211,12 +211,6 @@ struct PoolState {
     hint: AtomicU32,
     /// The last try of `retry_pool` failed (see there).
     try_failed: AtomicBool,
-    /// Releases of this pool from this process queued or on their way to Redis (see
-    /// `run_releases`).
-    releasing: std::sync::atomic::AtomicUsize,
-    /// A first waiter did not try because a release of this pool was pending (see
-    /// [`Slots::acquire`]); the release that ends last tries for the waiters left.
-    try_deferred: AtomicBool,
     /// Held by every step that may put this process into the pool's fleet queue (a try
     /// that enqueues) or take it out (`leave_if_idle`), each checking the local waiters
     /// under it. Without it a try of the driver, on the wire while an acquire's first try
@@ -501,8 +495,6 @@ impl Slots {
                         next_check: Mutex::new(Instant::now()),
                         hint: AtomicU32::new(0),
                         try_failed: AtomicBool::new(false),
-                        releasing: std::sync::atomic::AtomicUsize::new(0),
-                        try_deferred: AtomicBool::new(false),
                         queue_lock: tokio::sync::Mutex::new(()),
                         idle: Mutex::new(Vec::new()),
                         idle_flusher: AtomicBool::new(false),
@@ -647,27 +639,7 @@ impl Slots {
         if let Some(lease) = ps.take_idle(inner) {
             deliver(ps, lease);
         }
-        // A release of this pool from this process is queued or on its way (a job starting
-        // the moment the one before it ended, whose slot it is): no try now, which would
-        // find that slot still held and scan every lease for nothing (0.04 failed tries a
-        // job at N=64, 128 commands each). The release keeps the slot for this waiter if
-        // it counts it, or frees it; either way the releaser tries for waiters left
-        // unserved once its answer is in (`run_releases`).
-        let release_pending = first && ps.releasing.load(Ordering::SeqCst) > 0;
-        if release_pending {
-            // Nor a try of the driver's, which would be due at once (the driver's tick
-            // stays the backstop).
-            *lock(&ps.next_check) = Instant::now() + MAX_WAIT_TICK;
-            ps.try_deferred.store(true, Ordering::SeqCst);
-            // Every release may have ended between the look and the flag (each ends by
-            // counting itself out, then looking at the flag): then try now.
-            if ps.releasing.load(Ordering::SeqCst) == 0
-                && ps.try_deferred.swap(false, Ordering::SeqCst)
-            {
-                spawn_retry(inner, ps);
-            }
-        }
-        if first && !release_pending {
+        if first {
             let queue = ps.queue_lock.lock().await;
             // The driver may have served us while we waited for the lock; then the
             // lease is in `rx` already, and a try would only queue us for nothing.
@@ -1203,9 +1175,6 @@ async fn release_to_fleet(
         return Ok(());
     }
     let (tx, rx) = oneshot::channel();
-    if let Some(ps) = inner.pools.get(pool) {
-        ps.releasing.fetch_add(1, Ordering::SeqCst);
-    }
     let lead = {
         let mut q = lock(&inner.releases);
         q.0.push(PendingRelease {
@@ -1234,30 +1203,6 @@ async fn release_to_fleet(
     }
 }
 
-/// Releases of the named pools (one name per release) that ended: counted out of their
-/// pools' `releasing`, and then, for a waiter that left its try to them (see
-/// [`Slots::acquire`]) and still waits, a try.
-struct Releasing(Arc<Inner>, Vec<String>);
-
-impl Drop for Releasing {
-    fn drop(&mut self) {
-        for pool in &self.1 {
-            if let Some(ps) = self.0.pools.get(pool) {
-                ps.releasing.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
-        for ps in self.0.pools.values() {
-            if self.1.contains(&ps.name)
-                && ps.try_deferred.swap(false, Ordering::SeqCst)
-                && ps.has_waiters()
-                && tokio::runtime::Handle::try_current().is_ok()
-            {
-                spawn_retry(&self.0, ps);
-            }
-        }
-    }
-}
-
 /// Runs release scripts until no release waits: each takes every release queued so far.
 async fn run_releases(inner: Arc<Inner>) {
     // Should this task end early (a panic, the runtime shutting down), the next release
@@ -1266,17 +1211,11 @@ async fn run_releases(inner: Arc<Inner>) {
     struct Leader(Arc<Inner>);
     impl Drop for Leader {
         fn drop(&mut self) {
-            let dropped: Vec<String> = {
-                let mut q = lock(&self.0.releases);
-                q.1 = false;
-                q.0.drain(..)
-                    .map(|p| {
-                        let _ = p.done.send(Err("the releaser stopped".into()));
-                        p.pool
-                    })
-                    .collect()
-            };
-            drop(Releasing(self.0.clone(), dropped));
+            let mut q = lock(&self.0.releases);
+            q.1 = false;
+            for p in q.0.drain(..) {
+                let _ = p.done.send(Err("the releaser stopped".into()));
+            }
         }
     }
     let _leader = Leader(inner.clone());
@@ -1289,12 +1228,6 @@ async fn run_releases(inner: Arc<Inner>) {
             }
             std::mem::take(&mut q.0)
         };
-        // Counted out when this batch ends, however it ends (after its slots kept here
-        // were given to their waiters).
-        let _counted = Releasing(
-            inner.clone(),
-            batch.iter().map(|p| p.pool.clone()).collect(),
-        );
         let delay = *lock(&inner.release_delay);
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
