@@ -566,6 +566,27 @@ fn idless(t: &str) -> String {
     serde_json::json!({"messages": [{"role": "user", "content": t}]}).to_string()
 }
 
+/// Waits until the group's pending list holds `n` entries.
+async fn pending_reaches(conn: &redis::aio::MultiplexedConnection, n: i64) -> bool {
+    wait_for(T, || {
+        let mut c = conn.clone();
+        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == n }
+    })
+    .await
+}
+
+/// After 300 ms (a cancel read sent just before is answered by then), stops Redis
+/// (SIGSTOP) and waits until no call runs: redis-server's pid, how many calls ran when it
+/// stopped, and whether they all ended. The caller sends SIGCONT.
+async fn stop_redis_until_the_call_ends(redis: &RedisServer, sim: &SimHandle) -> (u32, u64, bool) {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rpid = redis.pid().expect("redis-server's pid");
+    signal(rpid, "STOP");
+    let calling = sim.sim.stats().in_flight;
+    let ended = wait_for(T, || async { sim.sim.stats().in_flight == 0 }).await;
+    (rpid, calling, ended)
+}
+
 /// Whether the job of `entry` read its cancel marker itself and the read failed (the
 /// log line of that check).
 fn checked_itself(w: &WorkerProc, entry: &str) -> bool {
@@ -610,11 +631,7 @@ async fn one_calling_others_waiting(
     let pushed = push(&mut conn, "llm", &payloads).await;
     let w = WorkerProc::spawn(&cfg, "o1", &[]);
     assert!(in_flight_at_least(&sim, 1, T).await, "{}", w.log());
-    let read = wait_for(T, || {
-        let mut c = conn.clone();
-        async move { pending_count(&mut c, "{llm}:jobs", "workers").await == jobs as i64 }
-    })
-    .await;
+    let read = pending_reaches(&conn, jobs as i64).await;
     assert!(read, "the jobs after the first read ahead\n{}", w.log());
     set_cancel_marker(&mut conn, &pushed[cancel]).await?;
     Ok(Bed {
@@ -689,21 +706,13 @@ async fn a_job_read_ahead_is_checked_again_by_the_next_read() -> anyhow::Result<
     // job's marker.
     let third = push(&mut conn, "llm", &[idless("third")]).await;
     assert!(
-        wait_for(T, || {
-            let mut c = conn.clone();
-            async move { pending_count(&mut c, "{llm}:jobs", "workers").await == 3 }
-        })
-        .await,
+        pending_reaches(&conn, 3).await,
         "the third job read\n{}",
         w.log()
     );
     // The read's check is sent right after the read and answered within milliseconds.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let rpid = redis.pid().expect("redis-server's pid");
-    signal(rpid, "STOP");
-    let calling = sim.sim.stats().in_flight;
     // The first call ends while Redis is stopped: the second job's turn comes then.
-    let ended = wait_for(T, || async { sim.sim.stats().in_flight == 0 }).await;
+    let (rpid, calling, ended) = stop_redis_until_the_call_ends(&redis, &sim).await;
     // Its own check, had it sent one, would have given up after 1 s and said so.
     let said = wait_for(Duration::from_secs(3), || async {
         checked_itself(&w, &pushed[1])
@@ -763,11 +772,7 @@ async fn a_job_reading_its_own_marker_reads_those_waiting_behind_it_too() -> any
     // The first call ends; the second job's own check reads the third's marker too.
     let second = wait_for(T, || async { calls_of(&sim, &pushed[1]) == 1 }).await;
     assert!(second, "the second job calls\n{}", w.log());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let rpid = redis.pid().expect("redis-server's pid");
-    signal(rpid, "STOP");
-    let calling = sim.sim.stats().in_flight;
-    let ended = wait_for(T, || async { sim.sim.stats().in_flight == 0 }).await;
+    let (rpid, calling, ended) = stop_redis_until_the_call_ends(&redis, &sim).await;
     let own = |i: usize| checked_itself(&w, &pushed[i]);
     // Whichever checks itself first (the third, had its marker not come with the
     // second's read, would keep retrying and hold the fourth back).

@@ -387,8 +387,7 @@ impl Worker {
                 // unchecked. The waiters next in line ride along (see `awaiting`): at
                 // one job start every 25 ms, one read serves the next few.
                 loop {
-                    let others =
-                        super::next_in_line(&lock(&self.awaiting), self.cfg.worker.concurrency());
+                    let others = self.waiters_to_recheck();
                     let ids: Vec<&str> = std::iter::once(job.id.as_str())
                         .chain(others.iter().map(|(id, _)| id.as_str()))
                         .collect();

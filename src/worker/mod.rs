@@ -206,6 +206,16 @@ pub(super) fn next_in_line(
     all.into_iter().cloned().collect()
 }
 
+impl Worker {
+    /// The waiting tasks whose markers ride along in a cancel read (see `awaiting`).
+    pub(super) fn waiters_to_recheck(&self) -> Vec<(String, Arc<Recheck>)> {
+        next_in_line(
+            &crate::sync::lock(&self.awaiting),
+            self.cfg.worker.concurrency(),
+        )
+    }
+}
+
 /// Records a read's answers for the waiters that rode along in it (`flags` in their
 /// order; `sent`: when the read was sent).
 pub(super) fn record_rechecks(waiting: &[(String, Arc<Recheck>)], sent: Instant, flags: &[bool]) {

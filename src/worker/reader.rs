@@ -378,7 +378,7 @@ impl Worker {
             .collect();
         // The tasks read earlier and still waiting for a job permit, the next
         // `concurrency` of them: their markers are read again in the same command.
-        let waiting = super::next_in_line(&lock(&self.awaiting), self.cfg.worker.concurrency());
+        let waiting = self.waiters_to_recheck();
         let (tx, rx) = tokio::sync::watch::channel(None);
         let queue = self.queue.clone();
         tokio::spawn(async move {
