@@ -192,6 +192,15 @@ pub async fn run(
             crate::notify::stopping(&format!("draining: {n} in flight"), drain);
         })
     };
+    // Start-up is over: its code and heap are handed back before the first read.
+    match crate::resident::shed_start_up_pages() {
+        Ok(s) => tracing::debug!(
+            mappings = s.mappings,
+            resident_kb = s.resident_kb,
+            "start-up's file pages dropped"
+        ),
+        Err(e) => tracing::debug!(error = %e, "start-up's pages left resident"),
+    }
     worker
         .clone()
         .run(shutdown.stop.clone(), shutdown.abort.clone())

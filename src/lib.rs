@@ -33,6 +33,7 @@ pub mod provider;
 pub mod queue;
 pub mod quota;
 pub mod ratelimit;
+pub mod resident;
 pub mod router;
 pub mod scripts;
 pub mod server;
