@@ -197,6 +197,7 @@ pub async fn run(
         Ok(s) => tracing::debug!(
             mappings = s.mappings,
             resident_kb = s.resident_kb,
+            refused = s.refused,
             "start-up's file pages dropped"
         ),
         Err(e) => tracing::debug!(error = %e, "start-up's pages left resident"),

@@ -212,6 +212,9 @@ fn init_tracing(format: &str, level: &str) {
 }
 
 fn main() -> ExitCode {
+    // SAFETY: first thing, before any thread: the mappings recorded are inside the
+    // segments of the objects the loader loaded, which stay mapped for the process's life.
+    unsafe { llm_worker::resident::remember_start_mappings() };
     let cli = Cli::parse();
     let env = env_map();
     if matches!(cli.cmd, Some(Cmd::SimProvider(_))) && cli.config.is_some() {

@@ -120,6 +120,44 @@ async fn panicking_job_task_releases_its_entry_for_takeover() -> anyhow::Result<
     Ok(())
 }
 
+/// Start-up's file pages are dropped just before the first read
+/// (`resident::shed_start_up_pages`, the memory target of issue 9), and the worker then
+/// runs on the pages it maps back: every job ends ok, once, with one call each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_pages_are_dropped_before_the_first_read_and_jobs_still_run() -> anyhow::Result<()>
+{
+    let mut bed = Bed::new(latency(0), |_| {}).await?;
+    // A binary just linked is dirty in the page cache, and dirty pages are never dropped.
+    let _ = std::fs::File::open(bin()).and_then(|f| f.sync_all());
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    let needle = "start-up's file pages dropped";
+    assert!(
+        wait_log(&w, needle, Duration::from_secs(10)).await,
+        "the drop is logged\n{}",
+        w.log()
+    );
+    let log = w.log();
+    let line = log.lines().find(|l| l.contains(needle)).unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|f| f.strip_prefix(name))
+            .and_then(|v| v.trim_matches('"').parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        field("mappings=") > 0 && field("resident_kb=") > 0,
+        "the executable's code was resident and dropped: {line}"
+    );
+    push(&mut bed.conn, "llm", &jobs("shed", 20)).await;
+    let done = wait_len(&mut bed.conn, "{llm}:results", 20, Duration::from_secs(20)).await;
+    context(done, &[&w])?;
+    let ids = ok_results_once(&mut bed.conn).await;
+    assert_eq!(ids.len(), 20, "every job ok, once");
+    assert_eq!(bed.total_calls(), 20, "one call each");
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}
+
 /// Point 5: the keepalive of a running entry lags (here: the test keeps setting the entry's
 /// idle time far above `claim_idle_ms`, as a keepalive failing while reclaim works would let
 /// it grow), so the reader XAUTOCLAIMs its own running entry. It must not start a second paid

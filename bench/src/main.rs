@@ -162,6 +162,10 @@ async fn main() -> anyhow::Result<()> {
             "{what} binary {} not found: build it first",
             p.display()
         );
+        // Written back, as an installed binary is: a binary just linked is dirty in the
+        // page cache, and the daemon never drops dirty pages at start (resident.rs), so
+        // its memory would read higher right after a build than it runs.
+        let _ = std::fs::File::open(p).and_then(|f| f.sync_all());
     }
     let dir = std::env::temp_dir().join(format!("llm-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
