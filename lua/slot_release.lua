@@ -79,23 +79,25 @@ local function competitors(q, lh, now)
   end
   return waiting
 end
--- How many live leases of the pool each process holds (process token -> count), from
--- the lease hash lh's slot records ("<lease value>|<deadline>|<length>"; a lease value
--- is the process token, alone or followed by '#'). One HGETALL, read at most once per
--- pool group of a release script, and only when a slot may be kept by fair share or a
--- share is to be told.
-local function lease_counts(lh, now)
-  local all = redis.call('HGETALL', lh)
-  local counts = {}
+-- How many live leases of the pool the process `who` holds, from the lease hash's slot
+-- records `all` (HGETALL of lh: "<lease value>|<deadline>|<length>"; a lease value is the
+-- process token, alone or followed by '#'). Only a record that starts with `who` can be
+-- one of its leases, so the others are passed over by one string compare: the record
+-- pattern is matched only for candidates (a release script asks about one or two
+-- processes, the queue's head, while the hash holds a record per slot: with N=64 the
+-- match for every record was most of a release's time).
+local function leases_of(all, who, now)
+  local count, w = 0, #who
   for j = 1, #all, 2 do
-    if tonumber(all[j]) then
-      local who, deadline = string.match(all[j + 1], '^([^#|]+)[^|]*|(%d+)|%d+$')
-      if who and tonumber(deadline) > now then
-        counts[who] = (counts[who] or 0) + 1
+    local v = all[j + 1]
+    if string.sub(v, 1, w) == who and tonumber(all[j]) then
+      local holder, deadline = string.match(v, '^([^#|]+)[^|]*|(%d+)|%d+$')
+      if holder == who and tonumber(deadline) > now then
+        count = count + 1
       end
     end
   end
-  return counts
+  return count
 end
 local released, handed, not_ours = 0, 0, 0
 local each, others, shares = {}, {}, {}
@@ -112,12 +114,18 @@ while a <= #ARGV do
   local q, lh, live, wake = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   k = k + 4
   local now = slot_clock(lh, nil, 0, ARGV[5])
-  local counts = nil
+  -- The lease hash as first read (one HGETALL, at most once per pool group, and only
+  -- when a slot may be kept by fair share or a share is to be told), each process's
+  -- count in it once asked, and the hand-offs this script made since that read.
+  local all, counted, since = nil, {}, {}
   local function held_by(who)
-    if counts == nil then
-      counts = lease_counts(lh, now)
+    if all == nil then
+      all = redis.call('HGETALL', lh)
     end
-    return counts[who] or 0
+    if counted[who] == nil then
+      counted[who] = leases_of(all, who, now)
+    end
+    return counted[who] + (since[who] or 0)
   end
   if ARGV[3] == '1' then
     redis.call('ZREM', q, token)
@@ -182,8 +190,8 @@ while a <= #ARGV do
           redis.call('SET', key, h[1], 'PX', ARGV[4])
           slot_note(lh, idx, h[1], now, ARGV[4])
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
-          if counts ~= nil then
-            counts[h[1]] = (counts[h[1]] or 0) + 1
+          if all ~= nil then
+            since[h[1]] = (since[h[1]] or 0) + 1
           end
           handed = handed + 1
           if h[1] ~= token then

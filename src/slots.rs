@@ -100,7 +100,11 @@ const QUIET_FOR: Duration = Duration::from_millis(25);
 /// takes nothing from anyone, and one asking per job's worth of releases would cost the
 /// fleet a release script per job. The script keeps by share only while the queue's
 /// head holds a slot, so a process that starts waiting is served in queue order; this
-/// bounds how stale the word it is served by may be.
+/// bounds how stale the word it is served by may be: such a process gets its first slot
+/// within about this plus a job (`a_newcomer_is_served_while_others_keep_slots_by_their_share`).
+/// Not longer: the releases that ask bunch a process's jobs, and with them its commits
+/// (with 8 processes at N=64, 500 ms saved 0.13 release scripts a job but cost 0.2
+/// commit calls more: docs/performance.md, twenty-second round).
 const SHARE_FOR: Duration = Duration::from_millis(100);
 
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).

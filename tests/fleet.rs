@@ -985,6 +985,66 @@ async fn a_newcomer_is_served_though_a_holder_outside_the_queue_keeps_its_slot()
     Ok(())
 }
 
+/// N=4: A and B each cycle four jobs (20 ms each) and keep their releases by the
+/// release script's word on their fair share (two each), asking Redis again only when
+/// that word is `SHARE_FOR` (100 ms) old. C starts waiting: the words A and B go by
+/// are stale (they say nobody else waits beside the two), but the first release to ask
+/// again finds C at the head holding nothing and hands the slot on: C is served within
+/// about `SHARE_FOR` plus a job, never only once A and B stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newcomer_is_served_while_others_keep_slots_by_their_share() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 4, "").await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 4;
+    let c = slots_for(&tc, "pc", &cancel).await;
+    let t = Duration::from_secs(5);
+    let stop = CancellationToken::new();
+    let cycles = Arc::new(AtomicUsize::new(0));
+    let mut busy = vec![];
+    for p in [&a, &b] {
+        for _ in 0..4 {
+            let (p, stop, cycles) = (p.clone(), stop.clone(), cycles.clone());
+            busy.push(tokio::spawn(async move {
+                while !stop.is_cancelled() {
+                    match p.acquire("default", Duration::from_secs(10)).await {
+                        Ok(l) => {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                            cycles.fetch_add(1, Ordering::SeqCst);
+                            l.release().await.ok();
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }));
+        }
+    }
+    // Long enough for both to hold their share and keep by it.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let before = cycles.load(Ordering::SeqCst);
+    assert!(before > 50, "A and B cycle their jobs: {before} in 1.2 s");
+    assert_eq!(a.held() + b.held(), 4, "A and B hold every slot");
+    let started = tokio::time::Instant::now();
+    let got = tokio::time::timeout(t, c.acquire("default", Duration::from_secs(4))).await?;
+    let waited = started.elapsed();
+    let during = cycles.load(Ordering::SeqCst) - before;
+    stop.cancel();
+    let got = got?;
+    eprintln!("C waited {waited:?} while A and B ran {during} jobs");
+    assert!(
+        waited < Duration::from_millis(1500),
+        "C waited {waited:?} for a slot while A and B kept theirs by their share"
+    );
+    drop(got);
+    for h in busy {
+        let _ = tokio::time::timeout(t, h).await;
+    }
+    finish(&[&a, &b, &c], &cancel).await?;
+    Ok(())
+}
+
 /// The process a hand-off went to is out of the queue until it picks the slot up and
 /// queues again (a read, a pick-up and a try later), though it still waits. A release by
 /// the same process in that moment (releases that ended together go out back to back)
@@ -1052,6 +1112,89 @@ async fn a_release_right_after_a_hand_off_still_counts_the_receiver_as_waiting()
     drop(got2);
     let got3 = tokio::time::timeout(t, w3).await???;
     drop(got3);
+    finish(&[&a, &b], &cancel).await
+}
+
+/// The release script counts the queue head's live leases to decide whether a slot may
+/// be kept by fair share (kept only while the head holds at least one): the records of
+/// another process whose token starts with the head's (`fbx` beside `fb`) and a lapsed
+/// record of the head itself are not its leases. N=4: A holds two, `fbx` two, `fb`
+/// heads the queue. Holding none, `fb` is handed A's release; holding one (a live
+/// `fb#1` record), A keeps it for its own waiting job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fair_share_counts_only_the_heads_own_live_leases() -> anyhow::Result<()> {
+    for head_holds_one in [false, true] {
+        head_leases_decide_the_keep(head_holds_one).await?;
+    }
+    Ok(())
+}
+
+async fn head_leases_decide_the_keep(head_holds_one: bool) -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 4, "").await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let mut held = vec![];
+    for _ in 0..2 {
+        held.push(tokio::time::timeout(t, a.acquire("default", t)).await??);
+    }
+    let mine: Vec<u32> = held.iter().map(|l| l.index()).collect();
+    let now = server_ms(&mut conn).await;
+    let lh = "{llm}:slotlease:default";
+    let (live, dead) = (now + 600_000, now.saturating_sub(60_000));
+    for (k, i) in (0..4u32).filter(|i| !mine.contains(i)).enumerate() {
+        // fbx holds the other two; with head_holds_one, fb's own live lease is one of
+        // them (its value "fb#1", as a kept slot's is).
+        let value = if head_holds_one && k == 0 {
+            "fb#1"
+        } else {
+            "fbx"
+        };
+        let _: () = redis::cmd("SET")
+            .arg(format!("{{llm}}:slot:default:{i}"))
+            .arg(value)
+            .arg("PX")
+            .arg(600_000)
+            .query_async(&mut conn)
+            .await?;
+        let _: () = conn
+            .hset(lh, i.to_string(), format!("{value}|{live}|600000"))
+            .await?;
+    }
+    // A lapsed record of fb's (beyond N, so nothing restores or scans it as a slot).
+    let _: () = conn.hset(lh, "7", format!("fb|{dead}|600000")).await?;
+    let _: () = conn.zadd("{llm}:slotq:default", "fb", 1).await?;
+    let _: () = conn.zadd("{llm}:slotalive:default", "fb", live).await?;
+    let w = spawn_acquire(&a);
+    assert!(wait_queued(&conn, a.token()).await, "A queued behind fb");
+    assert!(waits_locally(&a, 1).await, "A's job waits");
+    let r = held.remove(0);
+    let i = r.index();
+    r.release().await?;
+    let v: Option<String> = conn.get(format!("{{llm}}:slot:default:{i}")).await?;
+    if head_holds_one {
+        let got = tokio::time::timeout(t, w).await???;
+        assert_eq!(got.index(), i, "A kept its release for its own job");
+        assert_ne!(
+            v.as_deref(),
+            Some("fb"),
+            "fb holds one: A, at its share, keeps"
+        );
+        drop(got);
+    } else {
+        assert_eq!(
+            v.as_deref(),
+            Some("fb"),
+            "fb holds no live lease (fbx's and its lapsed one are not): the release is fb's"
+        );
+        w.abort();
+    }
+    drop(held);
+    let _: () = redis::cmd("DEL")
+        .arg("{llm}:slotq:default")
+        .query_async(&mut conn)
+        .await?;
     finish(&[&a, &b], &cancel).await
 }
 
