@@ -115,9 +115,13 @@ while a <= #ARGV do
   k = k + 4
   local now = slot_clock(lh, nil, 0, ARGV[5])
   -- The lease hash as first read (one HGETALL, at most once per pool group, and only
-  -- when a slot may be kept by fair share or a share is to be told), each process's
-  -- count in it once asked, and the hand-offs this script made since that read.
-  local all, counted, since = nil, {}, {}
+  -- when a slot may be kept by fair share or a share is to be told), and each process's
+  -- count in it once asked. A hand-off this script makes after the read is not in it,
+  -- and need not be: only the queue's head other than this process is ever asked
+  -- about, and the process handed a slot has just left the queue (ZREM below; within
+  -- one script only this process queues again), so it is not asked about again in
+  -- this group.
+  local all, counted = nil, {}
   local function held_by(who)
     if all == nil then
       all = redis.call('HGETALL', lh)
@@ -125,7 +129,7 @@ while a <= #ARGV do
     if counted[who] == nil then
       counted[who] = leases_of(all, who, now)
     end
-    return counted[who] + (since[who] or 0)
+    return counted[who]
   end
   if ARGV[3] == '1' then
     redis.call('ZREM', q, token)
@@ -190,9 +194,6 @@ while a <= #ARGV do
           redis.call('SET', key, h[1], 'PX', ARGV[4])
           slot_note(lh, idx, h[1], now, ARGV[4])
           redis.call('XADD', wake, 'MAXLEN', '~', ARGV[7], '*', 't', h[1], 'i', idx)
-          if all ~= nil then
-            since[h[1]] = (since[h[1]] or 0) + 1
-          end
           handed = handed + 1
           if h[1] ~= token then
             redis.call('HSET', lh, 'h', now, 'hb', now .. '|' .. h[1])
