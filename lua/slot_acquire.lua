@@ -57,6 +57,13 @@ if head == nil or head == token then
       if got[1] >= want then
         break
       end
+    elseif j == 0 and n > 1 and n <= 4000
+        and redis.call('EXISTS', unpack(KEYS, 4, n + 3)) >= n then
+      -- The slot tried first is taken and so is every other: one EXISTS instead of a
+      -- SET NX that fails on each (N of them in a full pool: at N=64 most of a failed
+      -- try's time). Nothing was written, so the loop would have found none either.
+      -- (Up to 4,000 keys: unpack's limit is near 8,000.)
+      break
     end
   end
   if got[1] > 0 then

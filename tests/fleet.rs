@@ -1786,6 +1786,50 @@ async fn a_try_behind_another_head_scans_no_lease_expiry() -> anyhow::Result<()>
     finish(&[&holder, &head, &behind], &cancel).await
 }
 
+/// A try on a full pool with nobody queued (so it may take any free slot) finds out that
+/// none is free with one SET NX (the slot it tries first) and one EXISTS over the pool's
+/// slot keys, not a SET NX on each of the N keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_on_a_full_pool_does_not_set_every_slot() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 8;
+    let cancel = CancellationToken::new();
+    let holder = slots_for(&tc, "holder", &cancel).await;
+    let other = slots_for(&tc, "other", &cancel).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let mut held = vec![];
+    for _ in 0..8 {
+        held.push(tokio::time::timeout(t, holder.acquire("default", t)).await??);
+    }
+    let before = calls_of(&mut conn, "set").await;
+    let tries = 10;
+    for _ in 0..tries {
+        assert!(
+            other.try_acquire("default").await?.is_none(),
+            "pool is full"
+        );
+    }
+    let sets = calls_of(&mut conn, "set").await - before;
+    // One SET NX a try; a renewal of the holder's leases in between may add up to 8.
+    assert!(
+        sets <= tries + 8,
+        "{sets} SET for {tries} tries on a full pool of 8 (8 a try before)"
+    );
+    // A slot given back is found by the next try, wherever it is.
+    let freed = held.remove(5);
+    let idx = freed.index();
+    freed.release().await?;
+    let got = other.try_acquire("default").await?.expect("the freed slot");
+    assert_eq!(got.index(), idx);
+    got.release().await?;
+    drop(held);
+    finish(&[&holder, &other], &cancel).await
+}
+
 /// Review of the above: the process second in the queue still learns when the nearest
 /// lease expires, so when the head gives up just before a dead holder's lease expires,
 /// the slot reaches the next process at the expiry, not on its next 1 s tick.
