@@ -25,9 +25,10 @@
 //! ([`remember_start_mappings`], first thing in `main`, before any thread), inside a
 //! `PT_LOAD` segment of an object the dynamic loader loaded (the executable, the
 //! libraries it was linked with, preloads): such objects are never unloaded, so those
-//! mappings live as long as the process. So the address range read from smaps cannot have been handed to
-//! another mapping (a freed range reused by an anonymous one, a library `dlopen`ed and
-//! closed) by the time `madvise` acts on it: a range that could, is never dropped.
+//! mappings live as long as the process. So the address range read from smaps cannot
+//! have been handed to another mapping (a freed range reused by an anonymous one, a
+//! library `dlopen`ed and closed) by the time `madvise` acts on it: a range that could,
+//! is never dropped.
 
 use std::io;
 use std::sync::OnceLock;

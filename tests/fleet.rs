@@ -935,6 +935,29 @@ async fn a_process_above_its_fair_share_hands_its_release_to_the_queue_head() ->
     Ok(())
 }
 
+/// A job of `s` in a loop until `stop`: takes a slot of pool `default`, holds it `hold`,
+/// counts itself in `cycles`, gives the slot back.
+fn cycle_jobs(
+    s: &llm_worker::slots::Slots,
+    hold: Duration,
+    stop: &CancellationToken,
+    cycles: &Arc<AtomicUsize>,
+) -> tokio::task::JoinHandle<()> {
+    let (s, stop, cycles) = (s.clone(), stop.clone(), cycles.clone());
+    tokio::spawn(async move {
+        while !stop.is_cancelled() {
+            match s.acquire("default", Duration::from_secs(10)).await {
+                Ok(l) => {
+                    tokio::time::sleep(hold).await;
+                    cycles.fetch_add(1, Ordering::SeqCst);
+                    l.release().await.ok();
+                }
+                Err(_) => break,
+            }
+        }
+    })
+}
+
 /// N=2: a third process C holds one slot for a long call and waits for none (it is not
 /// in the queue); A cycles its three jobs on the other slot. B starts waiting: A is
 /// within "its share" counted over the queue alone (one of two), but B holds nothing, so
@@ -952,21 +975,10 @@ async fn a_newcomer_is_served_though_a_holder_outside_the_queue_keeps_its_slot()
     let t = Duration::from_secs(5);
     let long_call = tokio::time::timeout(t, c.acquire("default", t)).await??;
     let stop = CancellationToken::new();
-    let mut busy = vec![];
-    for _ in 0..3 {
-        let (a, stop) = (a.clone(), stop.clone());
-        busy.push(tokio::spawn(async move {
-            while !stop.is_cancelled() {
-                match a.acquire("default", Duration::from_secs(10)).await {
-                    Ok(l) => {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                        l.release().await.ok();
-                    }
-                    Err(_) => break,
-                }
-            }
-        }));
-    }
+    let cycles = Arc::new(AtomicUsize::new(0));
+    let busy: Vec<_> = (0..3)
+        .map(|_| cycle_jobs(&a, Duration::from_millis(5), &stop, &cycles))
+        .collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = tokio::time::Instant::now();
     let got = tokio::time::timeout(t, b.acquire("default", Duration::from_secs(4))).await?;
@@ -1004,24 +1016,11 @@ async fn a_newcomer_is_served_while_others_keep_slots_by_their_share() -> anyhow
     let t = Duration::from_secs(5);
     let stop = CancellationToken::new();
     let cycles = Arc::new(AtomicUsize::new(0));
-    let mut busy = vec![];
-    for p in [&a, &b] {
-        for _ in 0..4 {
-            let (p, stop, cycles) = (p.clone(), stop.clone(), cycles.clone());
-            busy.push(tokio::spawn(async move {
-                while !stop.is_cancelled() {
-                    match p.acquire("default", Duration::from_secs(10)).await {
-                        Ok(l) => {
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                            cycles.fetch_add(1, Ordering::SeqCst);
-                            l.release().await.ok();
-                        }
-                        Err(_) => break,
-                    }
-                }
-            }));
-        }
-    }
+    let busy: Vec<_> = [&a, &b]
+        .into_iter()
+        .flat_map(|p| std::iter::repeat_n(p, 4))
+        .map(|p| cycle_jobs(p, Duration::from_millis(20), &stop, &cycles))
+        .collect();
     // Long enough for both to hold their share and keep by it.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let before = cycles.load(Ordering::SeqCst);
