@@ -1388,7 +1388,14 @@ async fn release_batch(
         // that is not its pool's first relies on the driver, which (no hand-off coming
         // to wake it) would only try again at its next tick, up to 100 ms later at
         // Redis's default hz, while other slots of this batch were freed. Try for them now.
-        if kept > 0 && ps.live_waiters() > want - kept {
+        // Only when the script served every waiter it was told of: then it took this
+        // process out of the fleet queue (or never put it in), and may have freed the
+        // batch's other slots. With waiters it was told of left over, it queued this
+        // process again and freed nothing (a slot it did not keep went to another
+        // process), so the new waiters wait in that queue like the rest, and a try could
+        // only fail: with 8 processes on one pool that was one failed acquire script for
+        // every release that asked (docs/performance.md, twenty-third round).
+        if kept > 0 && kept == want && ps.live_waiters() > 0 {
             spawn_retry(inner, ps);
         }
     }

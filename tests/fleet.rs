@@ -5,6 +5,7 @@
 
 mod common;
 
+use anyhow::Context;
 use common::*;
 use llm_worker::sim::{Fault, SimOptions};
 use llm_worker::slots::Lease;
@@ -1827,6 +1828,129 @@ async fn a_try_on_a_full_pool_does_not_set_every_slot() -> anyhow::Result<()> {
     got.release().await?;
     drop(held);
     finish(&[&holder, &other], &cancel).await
+}
+
+/// A release the script keeps for one of several local waiters, while more waiters come
+/// in during its round trip: the script queued this process again for the waiters it was
+/// told of and freed nothing, so the newcomers wait in that queue; no slot try follows
+/// (with 8 processes on one pool, one failed acquire script came with every release that
+/// asked). The waiters are all served as slots free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_kept_for_a_waiter_does_not_try_for_waiters_that_came_meanwhile()
+-> anyhow::Result<()> {
+    let (tries, queued) = release_while_a_waiter_comes(2).await?;
+    assert_eq!(
+        tries, 0,
+        "{tries} acquire script(s) after a release kept for one of three waiters"
+    );
+    assert!(queued, "still queued for the other two");
+    Ok(())
+}
+
+/// The other side: a release kept for the only waiter the script was told of took this
+/// process out of the fleet queue, so a waiter that came during its round trip is queued
+/// again by a try at once (not at the driver's next tick, up to a second later, while
+/// releases elsewhere would free their slots instead of handing them over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_that_served_every_waiter_it_knew_queues_again_for_one_that_came()
+-> anyhow::Result<()> {
+    let (tries, queued) = release_while_a_waiter_comes(1).await?;
+    assert_eq!(tries, 1, "one try for the waiter that came");
+    assert!(queued, "queued again for it");
+    Ok(())
+}
+
+/// One process holding both slots of a pool of 2, with `waiting` local waiters (1 or 2),
+/// releases a slot while Redis is held with SIGSTOP, and one more waiter comes meanwhile
+/// (so surely during the release's round trip). Returns how many acquire scripts ran
+/// from just before the release to 300 ms after its answer, and whether the process was
+/// in the fleet queue then. Acquire scripts are counted by their ZREMRANGEBYSCORE (no
+/// other script runs one here), in a window that starts just after one of the driver's
+/// own tries (at most a second apart while the process waits) and ends before the next
+/// (tried again otherwise). Every waiter is served as the slots free.
+async fn release_while_a_waiter_comes(waiting: usize) -> anyhow::Result<(u64, bool)> {
+    let redis = RedisServer::start();
+    let pid = redis.pid().expect("redis-server pid");
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let mut tc = TestConfig::new(&redis, &sim);
+    tc.ttl_ms = 30_000;
+    tc.slots = 2;
+    let cancel = CancellationToken::new();
+    let pa = slots_for(&tc, "pa", &cancel).await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    for attempt in 0..3 {
+        let mut held = vec![];
+        for _ in 0..2 {
+            held.push(tokio::time::timeout(t, pa.acquire("default", t)).await??);
+        }
+        // One at a time: local waiters are served in the order they queued.
+        let mut waiters = vec![];
+        for n in 1..=waiting {
+            waiters.push(spawn_acquire(&pa));
+            assert!(waits_locally(&pa, n).await, "{n} local waiter(s)");
+        }
+        assert!(wait_queued(&conn, pa.token()).await, "pa queued for them");
+        let tick = calls_of(&mut conn, "zremrangebyscore").await;
+        let ticked = wait_for(Duration::from_secs(3), || {
+            let mut c = conn.clone();
+            async move { calls_of(&mut c, "zremrangebyscore").await > tick }
+        })
+        .await;
+        assert!(
+            ticked,
+            "the driver tries about once a second while pa waits"
+        );
+        let window = Instant::now();
+        let before = calls_of(&mut conn, "zremrangebyscore").await;
+        signal(pid, "STOP");
+        let released = tokio::spawn(held.remove(0).release());
+        // The release's script is on the wire (or about to be) while Redis is stopped.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        waiters.push(spawn_acquire(&pa));
+        let came = waits_locally(&pa, waiting + 1).await;
+        let in_flight = !released.is_finished();
+        signal(pid, "CONT");
+        assert!(came, "one more waiter came");
+        assert!(in_flight, "the release waited for the stopped Redis");
+        tokio::time::timeout(t, released)
+            .await
+            .context("release in time")???;
+        let mut got = vec![];
+        got.push(
+            tokio::time::timeout(t, waiters.remove(0))
+                .await
+                .context("the first waiter in time")???,
+        );
+        // Room for a try to be sent and run (a spawned task, one round trip).
+        wait_for(Duration::from_millis(300), || {
+            let mut c = conn.clone();
+            async move { calls_of(&mut c, "zremrangebyscore").await > before }
+        })
+        .await;
+        let tries = calls_of(&mut conn, "zremrangebyscore").await - before;
+        let queued: Option<f64> = conn.zscore("{llm}:slotq:default", pa.token()).await?;
+        let clean = window.elapsed() < Duration::from_millis(900);
+        // Everyone is still served, in order, as slots free.
+        held.remove(0).release().await?;
+        for (n, w) in waiters.into_iter().enumerate() {
+            got.push(
+                tokio::time::timeout(t, w)
+                    .await
+                    .with_context(|| format!("waiter {} in time", n + 2))???,
+            );
+            got.remove(0).release().await?;
+        }
+        for l in got {
+            l.release().await?;
+        }
+        if clean {
+            finish(&[&pa], &cancel).await?;
+            return Ok((tries, queued.is_some()));
+        }
+        eprintln!("attempt {attempt}: window {:?}, again", window.elapsed());
+    }
+    anyhow::bail!("no window shorter than the driver's tick in three attempts")
 }
 
 /// Review of the above: the process second in the queue still learns when the nearest
