@@ -1392,9 +1392,12 @@ async fn release_batch(
         // process out of the fleet queue (or never put it in), and may have freed the
         // batch's other slots. With waiters it was told of left over, it queued this
         // process again and freed nothing (a slot it did not keep went to another
-        // process), so the new waiters wait in that queue like the rest, and a try could
-        // only fail: with 8 processes on one pool that was one failed acquire script for
-        // every release that asked (docs/performance.md, twenty-third round).
+        // process), so the new waiters wait in that queue like the rest, and a try would
+        // almost always fail: with 8 processes on one pool that was one failed acquire
+        // script for every release that asked (docs/performance.md, twenty-third round).
+        // (It could succeed only on a slot another process freed while this one was out
+        // of the queue for a hand-off's pick-up; that pick-up tries for the rest of its
+        // waiters itself, a round trip later.)
         if kept > 0 && kept == want && ps.live_waiters() > 0 {
             spawn_retry(inner, ps);
         }
