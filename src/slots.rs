@@ -237,6 +237,8 @@ struct PoolState {
     /// that goes straight to a local waiter, as the script would have kept it (see
     /// `lua/slot_release.lua`). None: no such word, or it is void (a lost reply).
     share: Mutex<Option<(Instant, u32)>>,
+    /// `llm_worker_slot_wait_seconds` of this pool (see `observe_wait`).
+    wait_seconds: std::sync::OnceLock<metrics::Histogram>,
 }
 
 /// A held slot no job uses (see `PoolState::idle`).
@@ -504,6 +506,7 @@ impl Slots {
                         idle_flusher: AtomicBool::new(false),
                         quiet_since: Mutex::new((None, None)),
                         share: Mutex::new(None),
+                        wait_seconds: std::sync::OnceLock::new(),
                     },
                 );
             }
@@ -626,7 +629,7 @@ impl Slots {
         if !ps.has_waiters()
             && let Some(lease) = ps.take_idle(inner)
         {
-            observe_wait(pool, started);
+            observe_wait(ps, started);
             return Ok(lease);
         }
         let (tx, mut rx) = oneshot::channel();
@@ -671,7 +674,7 @@ impl Slots {
                         // later, while releases elsewhere skip us).
                         spawn_retry(inner, ps);
                     }
-                    observe_wait(pool, started);
+                    observe_wait(ps, started);
                     return Ok(lease);
                 }
                 Some(Ok(Try::Wait(d))) => {
@@ -686,7 +689,7 @@ impl Slots {
         inner.driver_wake.notify_one();
         match tokio::time::timeout(timeout.saturating_sub(started.elapsed()), &mut rx).await {
             Ok(Ok(lease)) => {
-                observe_wait(pool, started);
+                observe_wait(ps, started);
                 Ok(lease)
             }
             Ok(Err(_)) => Err(SlotError::Stopped),
@@ -694,7 +697,7 @@ impl Slots {
                 remove_waiter(ps, id);
                 rx.close();
                 if let Ok(lease) = rx.try_recv() {
-                    observe_wait(pool, started);
+                    observe_wait(ps, started);
                     return Ok(lease);
                 }
                 leave_if_idle(inner, ps).await;
@@ -750,8 +753,13 @@ impl Slots {
     }
 }
 
-fn observe_wait(pool: &str, started: Instant) {
-    metrics::histogram!("llm_worker_slot_wait_seconds", "pool" => pool.to_string())
+/// Records a slot wait of `ps`'s pool in `llm_worker_slot_wait_seconds` (its handle
+/// registered at the pool's first wait, so /metrics shows the pool once it has one).
+fn observe_wait(ps: &PoolState, started: Instant) {
+    ps.wait_seconds
+        .get_or_init(
+            || metrics::histogram!("llm_worker_slot_wait_seconds", "pool" => ps.name.clone()),
+        )
         .record(started.elapsed().as_secs_f64());
 }
 

@@ -65,6 +65,23 @@ async fn metrics_are_histograms_and_carry_cost_tokens_and_queue_gauges() {
         assert!(text.contains(name), "{name} missing from /metrics:\n{text}");
     }
     assert!(!text.contains("quantile="), "no summaries:\n{text}");
+    // The job path's series (handles kept by the worker, registered at first use) carry
+    // every job once, under its own labels.
+    for line in [
+        "llm_worker_jobs_total{status=\"ok\"} 3",
+        "llm_worker_provider_calls_total{model=\"m1\",outcome=\"ok\"} 3",
+        "llm_worker_job_seconds_count 3",
+        "llm_worker_jobs_in_flight 0",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing from /metrics:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains("llm_worker_jobs_total{status=\"failed\"}"),
+        "no series for a status no job had:\n{text}"
+    );
     // Cost in USD too, as Prometheus counters are (floats): the exact pico-dollar count
     // over 10^12, and the cost totals in Redis agree.
     let value = |name: &str| -> f64 {

@@ -58,6 +58,16 @@ pub enum ResultStatus {
 }
 
 impl ResultStatus {
+    /// Every status, in declaration order.
+    pub const ALL: [ResultStatus; 6] = [
+        ResultStatus::Ok,
+        ResultStatus::Failed,
+        ResultStatus::Invalid,
+        ResultStatus::Dead,
+        ResultStatus::Cancelled,
+        ResultStatus::Expired,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             ResultStatus::Ok => "ok",
@@ -590,14 +600,7 @@ mod tests {
 
     #[test]
     fn status_names_round_trip() {
-        for s in [
-            ResultStatus::Ok,
-            ResultStatus::Failed,
-            ResultStatus::Invalid,
-            ResultStatus::Dead,
-            ResultStatus::Cancelled,
-            ResultStatus::Expired,
-        ] {
+        for s in ResultStatus::ALL {
             assert_eq!(ResultStatus::parse(s.as_str()), Some(s));
         }
         assert_eq!(ResultStatus::parse("OK"), None);

@@ -48,7 +48,7 @@ impl Worker {
     ) -> bool {
         let commit = Arc::new(commit);
         let started = Instant::now();
-        let _timed = CommitTimer(started);
+        let _timed = CommitTimer(started, self.job_metrics.commit_seconds());
         let mut backoff = Backoff::redis();
         let mut held: Option<HeldBytes> = None;
         let mut fallback: Option<Arc<Commit>> = None;
@@ -190,7 +190,7 @@ impl Worker {
         // Every field of the original entry, name and value verbatim (so `payload` when
         // there was one); see `DeadLetter` for the shape.
         let dead = DeadLetter::new(&d.entry_id, job_id, reason, d.deliveries, d.fields.clone());
-        metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
+        self.job_metrics.count(status);
         let commit = Commit {
             dead: dead.into_fields(),
             // A dead job with a known id has a result: later copies of the id are duplicates.
@@ -314,8 +314,10 @@ impl Worker {
         if !bill.warnings.is_empty() {
             result.warning = Some(provider::one_line(&bill.warnings.join("; ")));
         }
-        metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()).increment(1);
-        metrics::histogram!("llm_worker_job_seconds").record(started.elapsed().as_secs_f64());
+        self.job_metrics.count(status);
+        self.job_metrics
+            .job_seconds()
+            .record(started.elapsed().as_secs_f64());
         // Markers only for a producer's id (see `Job::keyed`).
         let key = job.keyed.then(|| job.id.clone());
         Commit {
@@ -359,11 +361,11 @@ impl Worker {
 
 /// Records how long a job's commit took (from its result to its settling, held results
 /// included) when the commit ends, however it ends.
-struct CommitTimer(Instant);
+struct CommitTimer<'a>(Instant, &'a metrics::Histogram);
 
-impl Drop for CommitTimer {
+impl Drop for CommitTimer<'_> {
     fn drop(&mut self) {
-        metrics::histogram!("llm_worker_commit_seconds").record(self.0.elapsed().as_secs_f64());
+        self.1.record(self.0.elapsed().as_secs_f64());
     }
 }
 

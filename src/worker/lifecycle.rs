@@ -808,7 +808,7 @@ impl Worker {
                     }
                 }
                 *lock(on_wire) = Some((cand.model.clone(), ticket, call_worst));
-                let outcome = client.call(&body, &job.id).await;
+                let mut outcome = client.call(&body, &job.id).await;
                 let ticket = lock(on_wire).take().and_then(|(_, t, _)| t);
                 if lease.is_lost() {
                     tracing::warn!(job = %job.id, model = %cand.model, "call finished after its slot lease was lost");
@@ -846,10 +846,12 @@ impl Worker {
                         {
                             call_metrics(m, &u, priced);
                         }
+                        // Moved, not cloned (a copy of the provider's usage object a
+                        // call): nothing reads it from `outcome` after this.
                         if outcome.usage.is_some()
-                            && let Some(raw) = &outcome.raw_usage
+                            && let Some(raw) = outcome.raw_usage.take()
                         {
-                            s.bill.raw_usage.push(raw.clone());
+                            s.bill.raw_usage.push(raw);
                         }
                     }
                     // A 2xx answer without readable usage (a success, or a body the
@@ -876,10 +878,12 @@ impl Worker {
                     Ok(_) => "ok",
                     Err(e) => class_label(&e.class),
                 };
-                metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => label)
-                .increment(1);
                 if let Some(m) = self.model_metrics.get(&cand.model) {
+                    m.count_call(label);
                     m.call_seconds.record(call_started.elapsed().as_secs_f64());
+                } else {
+                    metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => label)
+                        .increment(1);
                 }
                 if outcome.result.is_ok() {
                     self.cooldowns.record(&cand.model, false);
@@ -2094,7 +2098,7 @@ impl Drop for JobGuard {
         drop(lock(&w.permits).remove(&self.entry_id));
         drop(lock(&w.read_permits).remove(&self.entry_id));
         w.state.in_flight.fetch_sub(1, Ordering::SeqCst);
-        metrics::gauge!("llm_worker_jobs_in_flight").decrement(1.0);
+        w.job_metrics.in_flight().decrement(1.0);
         if !self.ended {
             tracing::error!(entry = %self.entry_id, "job task ended abnormally (panic); its job stays pending and is reclaimed after queue.claim_idle_ms");
             metrics::counter!("llm_worker_job_panics_total").increment(1);

@@ -39,7 +39,7 @@ use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::cost::Price;
 use crate::provider::{self, ProviderClient};
-use crate::queue::Queue;
+use crate::queue::{Queue, ResultStatus};
 use crate::router::RetryPolicy;
 use crate::slots::Slots;
 use crate::sync::{FastMap, FastSet};
@@ -133,6 +133,8 @@ pub struct Worker {
     /// Per configured model, its /metrics handles (registered once: a call records
     /// without building label strings).
     model_metrics: FastMap<String, ModelMetrics>,
+    /// The job path's own /metrics handles.
+    job_metrics: JobMetrics,
     /// While a budget with `on_exhausted = "pause"` has no room: until when the reader
     /// takes no new jobs (each paused job pushes it on while it still waits).
     paused_until: Mutex<Option<Instant>>,
@@ -242,8 +244,24 @@ impl Drop for AwaitGuard<'_> {
     }
 }
 
+/// The `outcome` label values of `llm_worker_provider_calls_total`: "ok", then
+/// [`lifecycle::class_label`]'s.
+const CALL_OUTCOMES: [&str; 7] = [
+    "ok",
+    "transient",
+    "rate_limited",
+    "rejected",
+    "access_denied",
+    "context_too_long",
+    "fatal",
+];
+
 /// One model's /metrics handles.
 pub(crate) struct ModelMetrics {
+    model: String,
+    /// `llm_worker_provider_calls_total` per outcome of [`CALL_OUTCOMES`], registered at
+    /// its first call (so /metrics shows only outcomes that happened, as before).
+    calls: [std::sync::OnceLock<metrics::Counter>; CALL_OUTCOMES.len()],
     pub(crate) cost_picodollars: metrics::Counter,
     pub(crate) tokens_input: metrics::Counter,
     pub(crate) tokens_output: metrics::Counter,
@@ -257,6 +275,8 @@ impl ModelMetrics {
         let m = model.to_string();
         let tokens = |kind: &'static str| metrics::counter!("llm_worker_tokens_total", "model" => m.clone(), "kind" => kind);
         ModelMetrics {
+            model: m.clone(),
+            calls: Default::default(),
             cost_picodollars: metrics::counter!("llm_worker_cost_picodollars_total", "model" => m.clone()),
             tokens_input: tokens("input"),
             tokens_output: tokens("output"),
@@ -264,6 +284,62 @@ impl ModelMetrics {
             tokens_cache_write: tokens("cache_write"),
             call_seconds: metrics::histogram!("llm_worker_provider_call_seconds", "model" => m.clone()),
         }
+    }
+
+    /// Counts one call of this model that ended with `outcome` (one of [`CALL_OUTCOMES`];
+    /// any other is counted through the registry, as every call once was).
+    pub(crate) fn count_call(&self, outcome: &'static str) {
+        let Some(i) = CALL_OUTCOMES.iter().position(|o| *o == outcome) else {
+            metrics::counter!("llm_worker_provider_calls_total", "model" => self.model.clone(), "outcome" => outcome)
+                .increment(1);
+            return;
+        };
+        self.calls[i]
+            .get_or_init(|| {
+                metrics::counter!("llm_worker_provider_calls_total", "model" => self.model.clone(), "outcome" => outcome)
+            })
+            .increment(1);
+    }
+}
+
+/// The job path's own /metrics handles, each registered at its first use (a job's
+/// start and end record without building a label or looking the series up; /metrics
+/// shows a series once it has one, as it did when every use went through the registry).
+#[derive(Default)]
+pub(crate) struct JobMetrics {
+    /// `llm_worker_jobs_total` per status of [`ResultStatus::ALL`].
+    jobs_total: [std::sync::OnceLock<metrics::Counter>; ResultStatus::ALL.len()],
+    in_flight: std::sync::OnceLock<metrics::Gauge>,
+    job_seconds: std::sync::OnceLock<metrics::Histogram>,
+    commit_seconds: std::sync::OnceLock<metrics::Histogram>,
+}
+
+impl JobMetrics {
+    /// Counts one job that ended with `status` in `llm_worker_jobs_total`.
+    pub(crate) fn count(&self, status: ResultStatus) {
+        let label = status.as_str();
+        match ResultStatus::ALL.iter().position(|s| *s == status) {
+            Some(i) => self.jobs_total[i]
+                .get_or_init(|| metrics::counter!("llm_worker_jobs_total", "status" => label))
+                .increment(1),
+            // A status left out of `ALL`: through the registry.
+            None => metrics::counter!("llm_worker_jobs_total", "status" => label).increment(1),
+        }
+    }
+    /// `llm_worker_jobs_in_flight`.
+    pub(crate) fn in_flight(&self) -> &metrics::Gauge {
+        self.in_flight
+            .get_or_init(|| metrics::gauge!("llm_worker_jobs_in_flight"))
+    }
+    /// `llm_worker_job_seconds`.
+    pub(crate) fn job_seconds(&self) -> &metrics::Histogram {
+        self.job_seconds
+            .get_or_init(|| metrics::histogram!("llm_worker_job_seconds"))
+    }
+    /// `llm_worker_commit_seconds`.
+    pub(crate) fn commit_seconds(&self) -> &metrics::Histogram {
+        self.commit_seconds
+            .get_or_init(|| metrics::histogram!("llm_worker_commit_seconds"))
     }
 }
 
@@ -351,6 +427,7 @@ impl Worker {
                 .iter()
                 .map(|m| (m.clone(), ModelMetrics::new(m)))
                 .collect(),
+            job_metrics: JobMetrics::default(),
             paused_until: Mutex::new(None),
             awaiting: Mutex::new(FastMap::default()),
             in_line: std::sync::atomic::AtomicUsize::new(0),

@@ -289,7 +289,7 @@ impl Worker {
             lock(&self.permits).insert(d.entry_id.clone(), p);
         }
         self.state.in_flight.fetch_add(1, Ordering::SeqCst);
-        metrics::gauge!("llm_worker_jobs_in_flight").increment(1.0);
+        self.job_metrics.in_flight().increment(1.0);
         let guard = JobGuard {
             worker: self.clone(),
             entry_id: d.entry_id.clone(),
