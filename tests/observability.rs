@@ -33,7 +33,10 @@ async fn metrics_are_histograms_and_carry_cost_tokens_and_queue_gauges() {
     while tokio::time::Instant::now() < deadline {
         if let Ok(r) = reqwest::get(&url).await {
             text = r.text().await.unwrap_or_default();
-            if text.contains("llm_worker_group_lag") {
+            // The in-flight gauge drops just after a result is written: wait for it too.
+            if text.contains("llm_worker_group_lag")
+                && text.lines().any(|l| l == "llm_worker_jobs_in_flight 0")
+            {
                 break;
             }
         }

@@ -48,7 +48,7 @@ impl Worker {
     ) -> bool {
         let commit = Arc::new(commit);
         let started = Instant::now();
-        let _timed = CommitTimer(started, self.job_metrics.commit_seconds());
+        let _timed = CommitTimer(started, &self.job_metrics);
         let mut backoff = Backoff::redis();
         let mut held: Option<HeldBytes> = None;
         let mut fallback: Option<Arc<Commit>> = None;
@@ -361,11 +361,16 @@ impl Worker {
 
 /// Records how long a job's commit took (from its result to its settling, held results
 /// included) when the commit ends, however it ends.
-struct CommitTimer<'a>(Instant, &'a metrics::Histogram);
+/// Records a commit's time in `llm_worker_commit_seconds` when it ends (however it
+/// ends). The handle is taken then, not at the start: the series appears once a commit
+/// has ended, as it did when each end looked it up.
+struct CommitTimer<'a>(Instant, &'a JobMetrics);
 
 impl Drop for CommitTimer<'_> {
     fn drop(&mut self) {
-        self.1.record(self.0.elapsed().as_secs_f64());
+        self.1
+            .commit_seconds()
+            .record(self.0.elapsed().as_secs_f64());
     }
 }
 
