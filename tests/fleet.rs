@@ -1860,14 +1860,25 @@ async fn a_release_that_served_every_waiter_it_knew_queues_again_for_one_that_ca
     Ok(())
 }
 
+/// How many acquire scripts Redis has run: each runs one ZREMRANGEBYSCORE (no other
+/// script a `Slots` sends does).
+async fn acquire_scripts(conn: &Conn) -> u64 {
+    calls_of(&mut conn.clone(), "zremrangebyscore").await
+}
+
+/// Waits (at most `within`) until more than `n` acquire scripts have run.
+async fn acquire_scripts_past(conn: &Conn, n: u64, within: Duration) -> bool {
+    wait_for(within, || async move { acquire_scripts(conn).await > n }).await
+}
+
 /// One process holding both slots of a pool of 2, with `waiting` local waiters (1 or 2),
 /// releases a slot while Redis is held with SIGSTOP, and one more waiter comes meanwhile
 /// (so surely during the release's round trip). Returns how many acquire scripts ran
 /// from just before the release to 300 ms after its answer, and whether the process was
-/// in the fleet queue then. Acquire scripts are counted by their ZREMRANGEBYSCORE (no
-/// other script runs one here), in a window that starts just after one of the driver's
-/// own tries (at most a second apart while the process waits) and ends before the next
-/// (tried again otherwise). Every waiter is served as the slots free.
+/// in the fleet queue then. Acquire scripts are counted ([`acquire_scripts`]) in a window
+/// that starts just after one of the driver's own tries (at most a second apart while
+/// the process waits) and ends before the next (tried again otherwise). Every waiter is
+/// served as the slots free.
 async fn release_while_a_waiter_comes(waiting: usize) -> anyhow::Result<(u64, bool)> {
     let redis = RedisServer::start();
     let pid = redis.pid().expect("redis-server pid");
@@ -1891,18 +1902,14 @@ async fn release_while_a_waiter_comes(waiting: usize) -> anyhow::Result<(u64, bo
             assert!(waits_locally(&pa, n).await, "{n} local waiter(s)");
         }
         assert!(wait_queued(&conn, pa.token()).await, "pa queued for them");
-        let tick = calls_of(&mut conn, "zremrangebyscore").await;
-        let ticked = wait_for(Duration::from_secs(3), || {
-            let mut c = conn.clone();
-            async move { calls_of(&mut c, "zremrangebyscore").await > tick }
-        })
-        .await;
+        let tick = acquire_scripts(&conn).await;
+        let ticked = acquire_scripts_past(&conn, tick, Duration::from_secs(3)).await;
         assert!(
             ticked,
             "the driver tries about once a second while pa waits"
         );
         let window = Instant::now();
-        let before = calls_of(&mut conn, "zremrangebyscore").await;
+        let before = acquire_scripts(&conn).await;
         signal(pid, "STOP");
         let released = tokio::spawn(held.remove(0).release());
         // The release's script is on the wire (or about to be) while Redis is stopped.
@@ -1923,12 +1930,8 @@ async fn release_while_a_waiter_comes(waiting: usize) -> anyhow::Result<(u64, bo
                 .context("the first waiter in time")???,
         );
         // Room for a try to be sent and run (a spawned task, one round trip).
-        wait_for(Duration::from_millis(300), || {
-            let mut c = conn.clone();
-            async move { calls_of(&mut c, "zremrangebyscore").await > before }
-        })
-        .await;
-        let tries = calls_of(&mut conn, "zremrangebyscore").await - before;
+        acquire_scripts_past(&conn, before, Duration::from_millis(300)).await;
+        let tries = acquire_scripts(&conn).await - before;
         let queued: Option<f64> = conn.zscore("{llm}:slotq:default", pa.token()).await?;
         let clean = window.elapsed() < Duration::from_millis(900);
         // Everyone is still served, in order, as slots free.

@@ -360,10 +360,8 @@ impl Worker {
 }
 
 /// Records how long a job's commit took (from its result to its settling, held results
-/// included) when the commit ends, however it ends.
-/// Records a commit's time in `llm_worker_commit_seconds` when it ends (however it
-/// ends). The handle is taken then, not at the start: the series appears once a commit
-/// has ended, as it did when each end looked it up.
+/// included) in `llm_worker_commit_seconds` when the commit ends, however it ends. The
+/// handle is taken then, not at the start: the series appears once a commit has ended.
 struct CommitTimer<'a>(Instant, &'a JobMetrics);
 
 impl Drop for CommitTimer<'_> {

@@ -874,15 +874,15 @@ impl Worker {
                 // Never awaited here: nothing (a slow Redis, `abort`) may stand between a paid
                 // answer and its commit.
                 self.release_detached(lease);
-                let label = match &outcome.result {
-                    Ok(_) => "ok",
-                    Err(e) => class_label(&e.class),
+                let outcome_at = match &outcome.result {
+                    Ok(_) => 0,
+                    Err(e) => class_index(&e.class),
                 };
                 if let Some(m) = self.model_metrics.get(&cand.model) {
-                    m.count_call(label);
+                    m.count_call(outcome_at);
                     m.call_seconds.record(call_started.elapsed().as_secs_f64());
                 } else {
-                    metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => label)
+                    metrics::counter!("llm_worker_provider_calls_total", "model" => cand.model.clone(), "outcome" => CALL_OUTCOMES[outcome_at])
                         .increment(1);
                 }
                 if outcome.result.is_ok() {
@@ -2132,15 +2132,32 @@ fn call_metrics(m: &ModelMetrics, u: &crate::cost::Usage, priced: Option<rust_de
     m.tokens_cache_write.increment(u.cache_write_tokens);
 }
 
-pub(super) fn class_label(c: &ErrorClass) -> &'static str {
+/// The `outcome` label values of `llm_worker_provider_calls_total`: "ok", then one per
+/// error class ([`class_index`]).
+pub(super) const CALL_OUTCOMES: [&str; 7] = [
+    "ok",
+    "transient",
+    "rate_limited",
+    "rejected",
+    "access_denied",
+    "context_too_long",
+    "fatal",
+];
+
+/// The error class's place in [`CALL_OUTCOMES`].
+pub(super) fn class_index(c: &ErrorClass) -> usize {
     match c {
-        ErrorClass::Transient => "transient",
-        ErrorClass::RateLimited { .. } => "rate_limited",
-        ErrorClass::ProviderRejected => "rejected",
-        ErrorClass::AccessDenied => "access_denied",
-        ErrorClass::ContextTooLong => "context_too_long",
-        ErrorClass::Fatal => "fatal",
+        ErrorClass::Transient => 1,
+        ErrorClass::RateLimited { .. } => 2,
+        ErrorClass::ProviderRejected => 3,
+        ErrorClass::AccessDenied => 4,
+        ErrorClass::ContextTooLong => 5,
+        ErrorClass::Fatal => 6,
     }
+}
+
+pub(super) fn class_label(c: &ErrorClass) -> &'static str {
+    CALL_OUTCOMES[class_index(c)]
 }
 
 /// Fault injection for the integration tests, compiled into debug builds only (release

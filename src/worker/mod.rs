@@ -244,18 +244,6 @@ impl Drop for AwaitGuard<'_> {
     }
 }
 
-/// The `outcome` label values of `llm_worker_provider_calls_total`: "ok", then
-/// [`lifecycle::class_label`]'s.
-const CALL_OUTCOMES: [&str; 7] = [
-    "ok",
-    "transient",
-    "rate_limited",
-    "rejected",
-    "access_denied",
-    "context_too_long",
-    "fatal",
-];
-
 /// One model's /metrics handles.
 pub(crate) struct ModelMetrics {
     model: String,
@@ -286,17 +274,12 @@ impl ModelMetrics {
         }
     }
 
-    /// Counts one call of this model that ended with `outcome` (one of [`CALL_OUTCOMES`];
-    /// any other is counted through the registry, as every call once was).
-    pub(crate) fn count_call(&self, outcome: &'static str) {
-        let Some(i) = CALL_OUTCOMES.iter().position(|o| *o == outcome) else {
-            metrics::counter!("llm_worker_provider_calls_total", "model" => self.model.clone(), "outcome" => outcome)
-                .increment(1);
-            return;
-        };
-        self.calls[i]
+    /// Counts one call of this model that ended with the outcome at `at` in
+    /// [`CALL_OUTCOMES`].
+    pub(crate) fn count_call(&self, at: usize) {
+        self.calls[at]
             .get_or_init(|| {
-                metrics::counter!("llm_worker_provider_calls_total", "model" => self.model.clone(), "outcome" => outcome)
+                metrics::counter!("llm_worker_provider_calls_total", "model" => self.model.clone(), "outcome" => CALL_OUTCOMES[at])
             })
             .increment(1);
     }
