@@ -332,3 +332,78 @@ async fn a_worker_with_jobs_in_line_reads_several_at_once() -> anyhow::Result<()
     stop_clean(&mut w, Duration::from_secs(6)).await;
     Ok(())
 }
+
+/// Concurrency 8, read-ahead 8 (8 slots), calls of 700 ms, 16 jobs without an id: 8 wait
+/// read ahead past the re-read threshold while the first 8 call. Redis is held (SIGSTOP)
+/// while those calls end, so their commits go out together when it continues and free
+/// the 8 job permits at once: the 8 waiting tasks start together, each to read its own
+/// cancel marker. Those reads are gathered (one out at a time, the asks that came
+/// meanwhile in the next): until the second round's calls run, a few MGETs, not one a
+/// task (8 on the code before). A marker set on one of the waiting jobs is still found:
+/// that job ends `cancelled` without a call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_starting_together_share_their_cancel_marker_reads() -> anyhow::Result<()> {
+    let mut bed = Bed::new(700, 8, 8).await?;
+    let mut ids = vec![];
+    for i in 0..16 {
+        let p = serde_json::json!({"messages": [{"role": "user", "content": format!("j{i}")}]})
+            .to_string();
+        let id: String = bed
+            .conn
+            .xadd("{llm}:jobs", "*", &[("payload", p.as_str())])
+            .await?;
+        ids.push(id);
+    }
+    let redis = redis_pid(&mut bed.conn).await;
+    let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
+    assert!(
+        bed.wait_held(16, 8).await,
+        "8 calling, 8 read ahead\n{}",
+        w.log()
+    );
+    // The last job pushed waits read ahead (job permits go first come, first served).
+    let cancelled = ids.last().expect("16 ids").clone();
+    let _: () = bed
+        .conn
+        .set_ex(format!("{{llm}}:cancel:{cancelled}"), 1, 60)
+        .await?;
+    let before = calls_of(&mut bed.conn, "mget").await;
+    signal(redis, "STOP");
+    let sim = bed.sim.sim.clone();
+    let ended = wait_for(Duration::from_secs(5), || {
+        let sim = sim.clone();
+        async move { sim.stats().in_flight == 0 }
+    })
+    .await;
+    signal(redis, "CONT");
+    assert!(ended, "the first 8 calls ended while Redis was held");
+    // The 7 jobs not cancelled call: every waiting task has read its marker by now.
+    let second = wait_for(Duration::from_secs(10), || {
+        let sim = sim.clone();
+        async move { sim.stats().in_flight == 7 }
+    })
+    .await;
+    let mgets = calls_of(&mut bed.conn, "mget").await - before;
+    assert!(second, "the second round calls\n{}", w.log());
+    context(
+        wait_len(&mut bed.conn, "{llm}:results", 16, Duration::from_secs(20)).await,
+        &[&w],
+    )?;
+    let results = entries(&mut bed.conn, "{llm}:results").await;
+    for (_, r) in &results {
+        let want = if r["job_id"] == cancelled {
+            "cancelled"
+        } else {
+            "ok"
+        };
+        assert_eq!(r["status"], want, "{r:?}");
+    }
+    assert_eq!(bed.total_calls(), 15, "no call for the cancelled job");
+    assert!(
+        mgets <= 4,
+        "{mgets} MGETs: the 8 tasks starting together read their markers one by one\n{}",
+        w.log()
+    );
+    stop_clean(&mut w, Duration::from_secs(6)).await;
+    Ok(())
+}

@@ -89,7 +89,7 @@ impl QueueError {
 impl QueueError {
     /// The same error again, for telling several waiters of one failed call (`None` for
     /// the kinds that cannot be copied: a pool or connect error).
-    fn copy(&self) -> Option<QueueError> {
+    pub(crate) fn copy(&self) -> Option<QueueError> {
         match self {
             QueueError::Redis(e) => Some(QueueError::Redis(e.clone())),
             QueueError::Timeout(d) => Some(QueueError::Timeout(*d)),

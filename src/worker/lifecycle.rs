@@ -384,22 +384,17 @@ impl Worker {
                 // Its own read, as the id claim does for a job with an id: retried while
                 // Redis does not answer; an error retrying cannot heal (NOPERM: an ACL
                 // without `{ns}:cancel:*`) fails the job without a call, never calls it
-                // unchecked. The waiters next in line ride along (see `awaiting`): at
-                // one job start every 25 ms, one read serves the next few.
+                // unchecked. Tasks starting together (a commit batch frees several job
+                // permits at once) share one read (`cancel_reads`), and the waiters next
+                // in line ride along (see `awaiting`): at one job start every 25 ms, one
+                // read serves the next few.
                 loop {
-                    let others = self.waiters_to_recheck();
-                    let ids: Vec<&str> = std::iter::once(job.id.as_str())
-                        .chain(others.iter().map(|(id, _)| id.as_str()))
-                        .collect();
-                    let sent = Instant::now();
-                    let asked = self.queue.cancelled(&ids);
-                    let e = match tokio::time::timeout(Duration::from_secs(1), asked).await {
-                        Ok(Ok(f)) => {
-                            super::record_rechecks(&others, sent, f.get(1..).unwrap_or(&[]));
-                            break f.first() == Some(&true);
-                        }
+                    let asked = self.cancel_reads.ask(job.id.clone());
+                    // Bounded by the read out when the ask came and its own (1 s each).
+                    let e = match tokio::time::timeout(Duration::from_secs(2), asked).await {
+                        Ok(Ok(found)) => break found,
                         Ok(Err(e)) => e,
-                        Err(_) => QueueError::Timeout(Duration::from_secs(1)),
+                        Err(_) => QueueError::Timeout(Duration::from_secs(2)),
                     };
                     if !e.heals() {
                         let check = ("cancel", "let the Redis user read the cancel markers");

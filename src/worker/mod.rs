@@ -26,6 +26,7 @@
 //!   so it never stands between a paid answer and its commit.
 
 mod bill;
+mod cancels;
 mod commit;
 mod keepalive;
 mod lifecycle;
@@ -145,13 +146,19 @@ pub struct Worker {
     /// no round trip of its own before its call (at 40 jobs/s it made one a job). Only a
     /// read with a job without an id among its entries sends that command. Registered by
     /// the task while it waits; its [`AwaitGuard`] removes it.
-    awaiting: Mutex<FastMap<String, (String, Arc<Recheck>)>>,
+    awaiting: Arc<Mutex<Awaiting>>,
+    /// The cancel-marker reads tasks make of their own before a call, gathered into one
+    /// command while one is out (see [`cancels`]); the waiters next in line ride along.
+    cancel_reads: Arc<cancels::CancelReads>,
     /// Tasks waiting for a job permit (read ahead), and a wake-up for the reader each
     /// time one gets it: the reader holds its next read back while half the read-ahead
     /// or more still waits (see `Worker::run`).
     in_line: std::sync::atomic::AtomicUsize,
     place_taken: tokio::sync::Notify,
 }
+
+/// The tasks waiting for a job permit, by entry id: (job id, its later reads' word).
+pub(super) type Awaiting = FastMap<String, (String, Arc<Recheck>)>;
 
 /// The newest read of a waiting task's cancel marker sent after the one with its entry:
 /// when it was sent, and whether it found the marker. Found stays found (a cancel is never
@@ -224,6 +231,44 @@ pub(super) fn record_rechecks(waiting: &[(String, Arc<Recheck>)], sent: Instant,
     for ((_, r), &found) in waiting.iter().zip(flags) {
         r.record(sent, found);
     }
+}
+
+/// The read behind [`Worker::cancel_reads`]: the markers of the ids asked, with the
+/// markers of the waiters next in line (at most `cap`) riding along in the same MGET
+/// and recorded for them; bounded (1 s).
+fn marker_reader(
+    queue: Queue,
+    awaiting: Arc<Mutex<Awaiting>>,
+    cap: usize,
+) -> cancels::ReadMarkers {
+    Arc::new(move |ids: Vec<String>| {
+        let (queue, awaiting) = (queue.clone(), awaiting.clone());
+        Box::pin(async move {
+            let riders = next_in_line(&crate::sync::lock(&awaiting), cap);
+            let all: Vec<&str> = ids
+                .iter()
+                .map(String::as_str)
+                .chain(riders.iter().map(|(id, _)| id.as_str()))
+                .collect();
+            let sent = Instant::now();
+            let bound = std::time::Duration::from_secs(1);
+            let flags = match tokio::time::timeout(bound, queue.cancelled(&all)).await {
+                Ok(r) => r?,
+                Err(_) => return Err(crate::queue::QueueError::Timeout(bound)),
+            };
+            if flags.len() != all.len() {
+                return Err(crate::queue::QueueError::Redis(redis::RedisError::from((
+                    redis::ErrorKind::Parse,
+                    "cancel markers' read answered",
+                    format!("{} flags for {} markers", flags.len(), all.len()),
+                ))));
+            }
+            record_rechecks(&riders, sent, &flags[ids.len()..]);
+            let mut flags = flags;
+            flags.truncate(ids.len());
+            Ok(flags)
+        })
+    })
 }
 
 /// Removes a waiting task from [`Worker::awaiting`] however its wait ends (only its own
@@ -377,6 +422,12 @@ impl Worker {
             max_delay: cfg.retry.max_delay_ms,
             max_retry_after: cfg.retry.max_retry_after_ms,
         };
+        let awaiting = Arc::new(Mutex::new(FastMap::default()));
+        let cancel_reads = Arc::new(cancels::CancelReads::new(marker_reader(
+            queue.clone(),
+            awaiting.clone(),
+            cfg_concurrency,
+        )));
         Ok(Worker {
             cfg,
             queue,
@@ -412,7 +463,8 @@ impl Worker {
                 .collect(),
             job_metrics: JobMetrics::default(),
             paused_until: Mutex::new(None),
-            awaiting: Mutex::new(FastMap::default()),
+            awaiting,
+            cancel_reads,
             in_line: std::sync::atomic::AtomicUsize::new(0),
             place_taken: tokio::sync::Notify::new(),
         })

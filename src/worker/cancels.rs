@@ -1,0 +1,288 @@
+//! The cancel-marker reads job tasks make of their own, gathered into one command.
+//!
+//! A job without a producer id that waited, read ahead, longer than the freshness of
+//! every read of its marker reads the marker again right before its call (see
+//! `Worker::process`). Tasks get their job permits together: a commit batch frees
+//! several permits at once, and calls that started together end together (8 jobs of
+//! 200 ms each: a burst every 200 ms). Each such task sent its own MGET, one round
+//! trip a job (0.6 a job in the 8-process benchmark, the command sent most). Here
+//! the first ask of a burst sends one read; the asks that come while it is out go
+//! together in the next, and so on: never more than one read out at a time, and no
+//! ask waits longer than the read in flight plus its own.
+//!
+//! Invariants:
+//! - an ask is answered `Ok(found)` only with the flag Redis gave for that very id in
+//!   a read sent after the ask was made (a marker set before the ask is seen);
+//! - every ask is answered: with its flag, with the read's error, or (the reading task
+//!   gone: a panic, the runtime stopping) with a healing error the asker retries on;
+//! - at most one read is out at a time, and while asks wait one is out or about to be.
+
+use crate::queue::QueueError;
+use crate::sync::lock;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use tokio::sync::oneshot;
+
+/// One ask's answer: whether the id has a cancel marker.
+pub(super) type Answer = Result<bool, QueueError>;
+
+/// Reads the markers of the ids given in one command, one flag per id in order
+/// (bounded by whoever builds it: the gatherer adds no bound of its own).
+pub(super) type ReadMarkers = Arc<
+    dyn Fn(Vec<String>) -> Pin<Box<dyn Future<Output = Result<Vec<bool>, QueueError>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// The gatherer (see the module doc).
+pub(super) struct CancelReads {
+    read: ReadMarkers,
+    state: Mutex<Waiting>,
+}
+
+#[derive(Default)]
+struct Waiting {
+    /// Asks not yet sent, in the order they came.
+    asks: Vec<(String, oneshot::Sender<Answer>)>,
+    /// A task is sending the reads (it sends until no ask is left).
+    reading: bool,
+}
+
+impl CancelReads {
+    pub(super) fn new(read: ReadMarkers) -> CancelReads {
+        CancelReads {
+            read,
+            state: Mutex::default(),
+        }
+    }
+
+    /// Whether `id` has a cancel marker, read after this call: in the read that goes
+    /// out next (at once when none is out). Cancel-safe: a dropped ask is simply not
+    /// answered.
+    pub(super) async fn ask(self: &Arc<Self>, id: String) -> Answer {
+        let (tx, rx) = oneshot::channel();
+        let lead = {
+            let mut w = lock(&self.state);
+            w.asks.push((id, tx));
+            !std::mem::replace(&mut w.reading, true)
+        };
+        if lead {
+            tokio::spawn(self.clone().serve());
+        }
+        rx.await.unwrap_or_else(|_| Err(gone()))
+    }
+
+    /// Sends reads until no ask waits: each read takes every ask that came before it.
+    async fn serve(self: Arc<Self>) {
+        let mut guard = Serving {
+            reads: &self,
+            done: false,
+        };
+        loop {
+            let asks = {
+                let mut w = lock(&self.state);
+                if w.asks.is_empty() {
+                    w.reading = false;
+                    guard.done = true;
+                    return;
+                }
+                std::mem::take(&mut w.asks)
+            };
+            let ids: Vec<String> = asks.iter().map(|(id, _)| id.clone()).collect();
+            let n = ids.len();
+            match (self.read)(ids).await {
+                Ok(flags) if flags.len() == n => {
+                    for ((_, tx), found) in asks.into_iter().zip(flags) {
+                        let _ = tx.send(Ok(found));
+                    }
+                }
+                Ok(flags) => {
+                    let why = format!("{} flags for {n} cancel markers", flags.len());
+                    for (_, tx) in asks {
+                        let _ = tx.send(Err(QueueError::Redis(redis::RedisError::from((
+                            redis::ErrorKind::Parse,
+                            "cancel markers' read answered",
+                            why.clone(),
+                        )))));
+                    }
+                }
+                Err(e) => {
+                    for (_, tx) in asks {
+                        let _ = tx.send(Err(e.copy().unwrap_or_else(|| lost(&e))));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Ends the reading role however [`CancelReads::serve`] ends: an ending other than its
+/// own (a panic, the task dropped) drops the waiting asks, whose askers then retry
+/// ([`gone`]), and lets the next ask start a reader again.
+struct Serving<'a> {
+    reads: &'a CancelReads,
+    done: bool,
+}
+
+impl Drop for Serving<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut w = lock(&self.reads.state);
+        w.reading = false;
+        w.asks.clear();
+    }
+}
+
+/// The answer of an ask whose reader ended without answering: heals (the asker retries).
+fn gone() -> QueueError {
+    QueueError::Redis(redis::RedisError::from((
+        redis::ErrorKind::Io,
+        "the cancel markers' read ended without an answer; retrying",
+    )))
+}
+
+/// A read's error that cannot be copied (a pool or connect error) for each of its asks:
+/// an IO error carrying its text, which heals as the original does.
+fn lost(e: &QueueError) -> QueueError {
+    QueueError::Redis(redis::RedisError::from((
+        redis::ErrorKind::Io,
+        "cancel markers' read failed",
+        e.to_string(),
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    /// A reader whose reads each wait for `gate` to open, recording the ids of each
+    /// read; ids starting with "c" have a marker.
+    fn held_reader(
+        gate: Arc<tokio::sync::Semaphore>,
+        seen: Arc<Mutex<Vec<Vec<String>>>>,
+    ) -> ReadMarkers {
+        Arc::new(move |ids: Vec<String>| {
+            let (gate, seen) = (gate.clone(), seen.clone());
+            Box::pin(async move {
+                lock(&seen).push(ids.clone());
+                gate.acquire().await.expect("open").forget();
+                Ok(ids.iter().map(|id| id.starts_with('c')).collect())
+            })
+        })
+    }
+
+    async fn until(what: impl Fn() -> bool) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !what() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("bounded wait");
+    }
+
+    /// Ten asks while the first read is out: they go together in one second read, and
+    /// each gets its own id's flag.
+    #[tokio::test]
+    async fn asks_made_while_a_read_is_out_share_the_next_read() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let seen = Arc::new(Mutex::new(vec![]));
+        let reads = Arc::new(CancelReads::new(held_reader(gate.clone(), seen.clone())));
+        let first = tokio::spawn({
+            let r = reads.clone();
+            async move { r.ask("a0".into()).await }
+        });
+        until(|| lock(&seen).len() == 1).await;
+        let mut later = vec![];
+        for i in 0..10 {
+            let r = reads.clone();
+            let id = if i % 3 == 0 {
+                format!("c{i}")
+            } else {
+                format!("a{i}")
+            };
+            later.push((id.clone(), tokio::spawn(async move { r.ask(id).await })));
+        }
+        // Every later ask is queued before the first read comes back.
+        until(|| lock(&reads.state).asks.len() == 10).await;
+        gate.add_permits(2);
+        assert!(!first.await.expect("task").expect("answer"));
+        for (id, t) in later {
+            let found = t.await.expect("task").expect("answer");
+            assert_eq!(found, id.starts_with('c'), "{id}");
+        }
+        let seen = lock(&seen).clone();
+        assert_eq!(
+            seen.len(),
+            2,
+            "one read for the first ask, one for the rest: {seen:?}"
+        );
+        assert_eq!(seen[1].len(), 10);
+        assert!(
+            !lock(&reads.state).reading,
+            "no reader left once every ask is answered"
+        );
+    }
+
+    /// A failed read answers each of its asks with the read's error (a healing one
+    /// heals), and the next ask sends a read again.
+    #[tokio::test]
+    async fn a_failed_read_answers_each_of_its_asks_and_the_next_ask_reads_again() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let read: ReadMarkers = Arc::new(move |ids: Vec<String>| {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                if n == 0 {
+                    Err(QueueError::Timeout(Duration::from_secs(1)))
+                } else {
+                    Ok(vec![true; ids.len()])
+                }
+            })
+        });
+        let reads = Arc::new(CancelReads::new(read));
+        let e = reads.ask("x".into()).await.expect_err("the read failed");
+        assert!(e.heals(), "{e}");
+        assert!(reads.ask("x".into()).await.expect("second read"));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+    }
+
+    /// A reader that panics answers its asks with a healing error, and the next ask
+    /// starts a reader again (nothing waits forever).
+    #[tokio::test]
+    async fn a_reader_that_panics_leaves_no_ask_waiting() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let read: ReadMarkers = Arc::new(move |_ids: Vec<String>| {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                assert!(n > 0, "the first read panics");
+                Ok(vec![false])
+            })
+        });
+        let reads = Arc::new(CancelReads::new(read));
+        let e = tokio::time::timeout(Duration::from_secs(5), reads.ask("x".into()))
+            .await
+            .expect("answered")
+            .expect_err("its reader panicked");
+        assert!(e.heals(), "{e}");
+        let again = tokio::time::timeout(Duration::from_secs(5), reads.ask("x".into()))
+            .await
+            .expect("answered");
+        assert!(!again.expect("the second read"));
+    }
+
+    /// A read answering a wrong number of flags answers no ask with a flag.
+    #[tokio::test]
+    async fn a_read_with_too_few_flags_answers_with_an_error() {
+        let read: ReadMarkers = Arc::new(|_ids: Vec<String>| Box::pin(async { Ok(vec![]) }));
+        let reads = Arc::new(CancelReads::new(read));
+        let e = reads.ask("x".into()).await.expect_err("no flag for x");
+        assert!(e.to_string().contains("0 flags for 1"), "{e}");
+    }
+}
