@@ -335,12 +335,14 @@ async fn a_worker_with_jobs_in_line_reads_several_at_once() -> anyhow::Result<()
 
 /// Concurrency 8, read-ahead 8 (8 slots), calls of 700 ms, 16 jobs without an id: 8 wait
 /// read ahead past the re-read threshold while the first 8 call. Redis is held (SIGSTOP)
-/// while those calls end, so their commits go out together when it continues and free
-/// the 8 job permits at once: the 8 waiting tasks start together, each to read its own
-/// cancel marker. Those reads are gathered (one out at a time, the asks that came
-/// meanwhile in the next): until the second round's calls run, a few MGETs, not one a
-/// task (8 on the code before). A marker set on one of the waiting jobs is still found:
-/// that job ends `cancelled` without a call.
+/// while those calls end: a job permit is freed at the job's decision, before its commit,
+/// so the 8 waiting tasks start while Redis is held, each to read its own cancel marker.
+/// Gathered, the first task's read goes out (and waits on Redis) and the 7 asks that come
+/// meanwhile wait to go together in the next: 2 reads. The code before sent 8, one a task.
+/// The count also takes the cancel watcher's polls while calls run (one every 500 ms, at
+/// most 3 in this window of under a second), so the bound is 5; the code before read 9
+/// (3 runs of 3). A marker set on one of the waiting jobs is still found: that job ends
+/// `cancelled` without a call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tasks_starting_together_share_their_cancel_marker_reads() -> anyhow::Result<()> {
     let mut bed = Bed::new(700, 8, 8).await?;
@@ -400,7 +402,7 @@ async fn tasks_starting_together_share_their_cancel_marker_reads() -> anyhow::Re
     }
     assert_eq!(bed.total_calls(), 15, "no call for the cancelled job");
     assert!(
-        mgets <= 4,
+        mgets <= 5,
         "{mgets} MGETs: the 8 tasks starting together read their markers one by one\n{}",
         w.log()
     );

@@ -88,11 +88,15 @@ impl QueueError {
 
 impl QueueError {
     /// The same error again, for telling several waiters of one failed call (`None` for
-    /// the kinds that cannot be copied: a pool or connect error).
+    /// the kinds that cannot be copied: a pool error other than the backend's, which all
+    /// heal, and a connect error).
     pub(crate) fn copy(&self) -> Option<QueueError> {
         match self {
             QueueError::Redis(e) => Some(QueueError::Redis(e.clone())),
             QueueError::Timeout(d) => Some(QueueError::Timeout(*d)),
+            QueueError::Pool(deadpool_redis::PoolError::Backend(e)) => Some(QueueError::Pool(
+                deadpool_redis::PoolError::Backend(e.clone()),
+            )),
             QueueError::Pool(_) | QueueError::Connect(_) => None,
         }
     }

@@ -2,10 +2,11 @@
 //!
 //! A job without a producer id that waited, read ahead, longer than the freshness of
 //! every read of its marker reads the marker again right before its call (see
-//! `Worker::process`). Tasks get their job permits together: a commit batch frees
-//! several permits at once, and calls that started together end together (8 jobs of
-//! 200 ms each: a burst every 200 ms). Each such task sent its own MGET, one round
-//! trip a job (0.6 a job in the 8-process benchmark, the command sent most). Here
+//! `Worker::process`). Tasks get their job permits together when calls that started
+//! together end together (a job permit is freed at the job's decision, before its
+//! commit): 8 jobs of 200 ms each end in a burst every 200 ms, and with 8 processes on
+//! one pool the fleet's slots come back in bursts. Each such task sent its own MGET (with
+//! 8 processes, 0.48 MGETs a job in all, the command sent most after the commit). Here
 //! the first ask of a burst sends one read; the asks that come while it is out go
 //! together in the next, and so on: never more than one read out at a time, and no
 //! ask waits longer than the read in flight plus its own.
@@ -13,8 +14,9 @@
 //! Invariants:
 //! - an ask is answered `Ok(found)` only with the flag Redis gave for that very id in
 //!   a read sent after the ask was made (a marker set before the ask is seen);
-//! - every ask is answered: with its flag, with the read's error, or (the reading task
-//!   gone: a panic, the runtime stopping) with a healing error the asker retries on;
+//! - every ask is answered: with its flag, with the read's error (one that cannot heal
+//!   stays so), or (the reading task gone: a panic, the task dropped before or while it
+//!   ran) with a healing error the asker retries on;
 //! - at most one read is out at a time, and while asks wait one is out or about to be.
 
 use crate::queue::QueueError;
@@ -68,20 +70,20 @@ impl CancelReads {
             !std::mem::replace(&mut w.reading, true)
         };
         if lead {
-            tokio::spawn(self.clone().serve());
+            // The guard is made here, not in the task: a task dropped before its first
+            // poll (spawned while the runtime shuts down) still ends the reading role.
+            tokio::spawn(CancelReads::serve(Serving::new(self.clone())));
         }
         rx.await.unwrap_or_else(|_| Err(gone()))
     }
 
     /// Sends reads until no ask waits: each read takes every ask that came before it.
-    async fn serve(self: Arc<Self>) {
-        let mut guard = Serving {
-            reads: &self,
-            done: false,
-        };
+    /// `guard` holds the reading role (taken by the ask that started this reader).
+    async fn serve(mut guard: Serving) {
+        let me = guard.reads.clone();
         loop {
             let asks = {
-                let mut w = lock(&self.state);
+                let mut w = lock(&me.state);
                 if w.asks.is_empty() {
                     w.reading = false;
                     guard.done = true;
@@ -91,7 +93,7 @@ impl CancelReads {
             };
             let ids: Vec<String> = asks.iter().map(|(id, _)| id.clone()).collect();
             let n = ids.len();
-            match (self.read)(ids).await {
+            match (me.read)(ids).await {
                 Ok(flags) if flags.len() == n => {
                     for ((_, tx), found) in asks.into_iter().zip(flags) {
                         let _ = tx.send(Ok(found));
@@ -118,14 +120,20 @@ impl CancelReads {
 }
 
 /// Ends the reading role however [`CancelReads::serve`] ends: an ending other than its
-/// own (a panic, the task dropped) drops the waiting asks, whose askers then retry
-/// ([`gone`]), and lets the next ask start a reader again.
-struct Serving<'a> {
-    reads: &'a CancelReads,
+/// own (a panic, the task dropped before or while it ran) drops the waiting asks, whose
+/// askers then retry ([`gone`]), and lets the next ask start a reader again.
+struct Serving {
+    reads: Arc<CancelReads>,
     done: bool,
 }
 
-impl Drop for Serving<'_> {
+impl Serving {
+    fn new(reads: Arc<CancelReads>) -> Serving {
+        Serving { reads, done: false }
+    }
+}
+
+impl Drop for Serving {
     fn drop(&mut self) {
         if self.done {
             return;
@@ -144,8 +152,9 @@ fn gone() -> QueueError {
     )))
 }
 
-/// A read's error that cannot be copied (a pool or connect error) for each of its asks:
-/// an IO error carrying its text, which heals as the original does.
+/// A read's error that [`QueueError::copy`] cannot copy (a pool error other than the
+/// backend's, which all heal; a connect error, which the read never gives) for each of
+/// its asks: an IO error carrying its text, which heals.
 fn lost(e: &QueueError) -> QueueError {
     QueueError::Redis(redis::RedisError::from((
         redis::ErrorKind::Io,
@@ -275,6 +284,52 @@ mod tests {
             .await
             .expect("answered");
         assert!(!again.expect("the second read"));
+    }
+
+    /// A pool error that cannot heal (the pool's new connection refused: WRONGPASS after
+    /// a password rotation) reaches each ask as one that cannot heal: the job fails
+    /// without a call, as it did when each task read alone.
+    #[tokio::test]
+    async fn a_pool_error_that_cannot_heal_stays_so_for_each_ask() {
+        let read: ReadMarkers = Arc::new(|_ids: Vec<String>| {
+            Box::pin(async {
+                let refused = redis::RedisError::from((
+                    redis::ErrorKind::AuthenticationFailed,
+                    "WRONGPASS invalid username-password pair",
+                ));
+                Err(QueueError::Pool(deadpool_redis::PoolError::Backend(
+                    refused,
+                )))
+            })
+        });
+        let reads = Arc::new(CancelReads::new(read));
+        let e = reads.ask("x".into()).await.expect_err("refused");
+        assert!(!e.heals(), "{e}");
+        assert!(e.to_string().contains("WRONGPASS"), "{e}");
+    }
+
+    /// A reader dropped before its first poll (spawned while the runtime shuts down)
+    /// still ends its role: the asks it held are dropped (their askers retry) and the
+    /// next ask starts a reader again.
+    #[tokio::test]
+    async fn a_reader_dropped_before_it_ran_leaves_no_ask_waiting() {
+        let read: ReadMarkers =
+            Arc::new(|ids: Vec<String>| Box::pin(async move { Ok(vec![false; ids.len()]) }));
+        let reads = Arc::new(CancelReads::new(read));
+        let (tx, rx) = oneshot::channel();
+        lock(&reads.state).asks.push(("x".into(), tx));
+        lock(&reads.state).reading = true;
+        drop(CancelReads::serve(Serving::new(reads.clone())));
+        let held = tokio::time::timeout(Duration::from_secs(5), rx).await;
+        assert!(
+            held.is_ok_and(|r| r.is_err()),
+            "the held ask is dropped, not left waiting"
+        );
+        assert!(!lock(&reads.state).reading);
+        let again = tokio::time::timeout(Duration::from_secs(5), reads.ask("x".into()))
+            .await
+            .expect("answered");
+        assert!(!again.expect("a new reader's read"));
     }
 
     /// A read answering a wrong number of flags answers no ask with a flag.

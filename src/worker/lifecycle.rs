@@ -384,14 +384,15 @@ impl Worker {
                 // Its own read, as the id claim does for a job with an id: retried while
                 // Redis does not answer; an error retrying cannot heal (NOPERM: an ACL
                 // without `{ns}:cancel:*`) fails the job without a call, never calls it
-                // unchecked. Tasks starting together (a commit batch frees several job
-                // permits at once) share one read (`cancel_reads`), and the waiters next
-                // in line ride along (see `awaiting`): at one job start every 25 ms, one
-                // read serves the next few.
+                // unchecked. Tasks starting together (calls that started together end
+                // together) share one read (`cancel_reads`), and the waiters next in line
+                // ride along (see `awaiting`): at one job start every 25 ms, one read
+                // serves the next few. A signal ends the wait: no call starts after it.
                 loop {
                     let asked = self.cancel_reads.ask(job.id.clone());
                     // Bounded by the read out when the ask came and its own (1 s each).
-                    let e = match tokio::time::timeout(Duration::from_secs(2), asked).await {
+                    let asked = tokio::time::timeout(Duration::from_secs(2), asked);
+                    let e = match self.unless_draining(asked).await? {
                         Ok(Ok(found)) => break found,
                         Ok(Err(e)) => e,
                         Err(_) => QueueError::Timeout(Duration::from_secs(2)),

@@ -236,11 +236,7 @@ pub(super) fn record_rechecks(waiting: &[(String, Arc<Recheck>)], sent: Instant,
 /// The read behind [`Worker::cancel_reads`]: the markers of the ids asked, with the
 /// markers of the waiters next in line (at most `cap`) riding along in the same MGET
 /// and recorded for them; bounded (1 s).
-fn marker_reader(
-    queue: Queue,
-    awaiting: Arc<Mutex<Awaiting>>,
-    cap: usize,
-) -> cancels::ReadMarkers {
+fn marker_reader(queue: Queue, awaiting: Arc<Mutex<Awaiting>>, cap: usize) -> cancels::ReadMarkers {
     Arc::new(move |ids: Vec<String>| {
         let (queue, awaiting) = (queue.clone(), awaiting.clone());
         Box::pin(async move {
