@@ -341,7 +341,7 @@ async fn a_worker_with_jobs_in_line_reads_several_at_once() -> anyhow::Result<()
 /// meanwhile wait to go together in the next: 2 reads. The code before sent 8, one a task.
 /// The count also takes the cancel watcher's polls while calls run (one every 500 ms, at
 /// most 3 in this window of under a second), so the bound is 5; the code before read 9
-/// (3 runs of 3). A marker set on one of the waiting jobs is still found: that job ends
+/// (in each of 3 runs). A marker set on one of the waiting jobs is still found: that job ends
 /// `cancelled` without a call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tasks_starting_together_share_their_cancel_marker_reads() -> anyhow::Result<()> {

@@ -771,7 +771,8 @@ impl Queue {
     /// [`COMMIT_BATCH_BYTES`]; [`COMMIT_SENDERS`] calls on the wire at once), so under
     /// load a job costs a fraction of a script call and of a round trip, and when idle a
     /// commit is sent at once. A job whose part of a batch failed in a way that does not
-    /// heal is sent again alone, so its answer is exactly [`Queue::commit`]'s.
+    /// heal (or whose batch failed with a pool error that cannot be copied to each job) is
+    /// sent again alone, so its answer is exactly [`Queue::commit`]'s.
     pub async fn commit_shared(&self, c: Arc<Commit>) -> Result<CommitOutcome, QueueError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let lead = {
@@ -792,7 +793,8 @@ impl Queue {
         }
         match rx.await {
             Ok(Some(r)) => r,
-            // Its part failed in a way that does not heal, or the sender stopped: alone.
+            // Its part failed in a way that does not heal (or as a pool error that cannot be
+            // copied), or the sender stopped: alone.
             Ok(None) | Err(_) => self.commit(&c).await,
         }
     }
@@ -877,8 +879,9 @@ async fn run_commits(q: Queue) {
                 }
             }
             Err(e) => {
-                // Heals: every job is told (each holds its result and tries again); else
-                // each is sent alone, so its answer is its own.
+                // Heals and can be copied: every job is told (each holds its result and
+                // tries again); else (it cannot heal, or a pool error other than the
+                // backend's) each is sent alone, so its answer is its own.
                 for p in batch {
                     let _ = p.done.send(e.heals().then(|| e.copy()).flatten().map(Err));
                 }

@@ -238,10 +238,10 @@ mod tests {
         );
     }
 
-    /// A failed read answers each of its asks with the read's error (a healing one
-    /// heals), and the next ask sends a read again.
+    /// A failed read answers its ask with the read's error (a healing one heals), and
+    /// the next ask sends a read again.
     #[tokio::test]
-    async fn a_failed_read_answers_each_of_its_asks_and_the_next_ask_reads_again() {
+    async fn a_failed_read_answers_its_ask_with_the_error_and_the_next_ask_reads_again() {
         let calls = Arc::new(AtomicUsize::new(0));
         let c = calls.clone();
         let read: ReadMarkers = Arc::new(move |ids: Vec<String>| {

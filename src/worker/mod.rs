@@ -3,7 +3,8 @@
 //! them worked on). Rooms: [`reader`] (read, reclaim, spawn), [`lifecycle`]
 //! (one job from parse to decision), [`bill`] (usage and exact cost), [`commit`] (the
 //! job's end written with its acknowledgement), [`keepalive`] (running entries kept
-//! ours); this file holds the `Worker`.
+//! ours), [`cancels`] (tasks' own cancel-marker reads, gathered); this file holds the
+//! `Worker`.
 //!
 //! Invariants:
 //! - never more jobs read than there are free read permits (`worker.concurrency +
