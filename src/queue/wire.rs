@@ -68,6 +68,18 @@ impl ResultStatus {
         ResultStatus::Expired,
     ];
 
+    /// This status's place in [`ResultStatus::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            ResultStatus::Ok => 0,
+            ResultStatus::Failed => 1,
+            ResultStatus::Invalid => 2,
+            ResultStatus::Dead => 3,
+            ResultStatus::Cancelled => 4,
+            ResultStatus::Expired => 5,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ResultStatus::Ok => "ok",
@@ -602,6 +614,7 @@ mod tests {
     fn status_names_round_trip() {
         for s in ResultStatus::ALL {
             assert_eq!(ResultStatus::parse(s.as_str()), Some(s));
+            assert_eq!(ResultStatus::ALL[s.index()], s);
         }
         assert_eq!(ResultStatus::parse("OK"), None);
     }

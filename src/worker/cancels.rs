@@ -84,6 +84,9 @@ impl CancelReads {
         loop {
             let asks = {
                 let mut w = lock(&me.state);
+                // An asker that stopped waiting (its bound ran out, a signal) is not read
+                // for, as the commit sender skips a commit nobody waits for.
+                w.asks.retain(|(_, tx)| !tx.is_closed());
                 if w.asks.is_empty() {
                     w.reading = false;
                     guard.done = true;
@@ -100,13 +103,8 @@ impl CancelReads {
                     }
                 }
                 Ok(flags) => {
-                    let why = format!("{} flags for {n} cancel markers", flags.len());
                     for (_, tx) in asks {
-                        let _ = tx.send(Err(QueueError::Redis(redis::RedisError::from((
-                            redis::ErrorKind::Parse,
-                            "cancel markers' read answered",
-                            why.clone(),
-                        )))));
+                        let _ = tx.send(Err(wrong_count(flags.len(), n)));
                     }
                 }
                 Err(e) => {
@@ -142,6 +140,16 @@ impl Drop for Serving {
         w.reading = false;
         w.asks.clear();
     }
+}
+
+/// A read that answered `got` flags for `want` markers (cannot heal: the job fails
+/// without a call rather than run unchecked).
+pub(super) fn wrong_count(got: usize, want: usize) -> QueueError {
+    QueueError::Redis(redis::RedisError::from((
+        redis::ErrorKind::Parse,
+        "cancel markers' read answered",
+        format!("{got} flags for {want} cancel markers"),
+    )))
 }
 
 /// The answer of an ask whose reader ended without answering: heals (the asker retries).

@@ -249,19 +249,14 @@ fn marker_reader(queue: Queue, awaiting: Arc<Mutex<Awaiting>>, cap: usize) -> ca
                 .collect();
             let sent = Instant::now();
             let bound = std::time::Duration::from_secs(1);
-            let flags = match tokio::time::timeout(bound, queue.cancelled(&all)).await {
+            let mut flags = match tokio::time::timeout(bound, queue.cancelled(&all)).await {
                 Ok(r) => r?,
                 Err(_) => return Err(crate::queue::QueueError::Timeout(bound)),
             };
             if flags.len() != all.len() {
-                return Err(crate::queue::QueueError::Redis(redis::RedisError::from((
-                    redis::ErrorKind::Parse,
-                    "cancel markers' read answered",
-                    format!("{} flags for {} markers", flags.len(), all.len()),
-                ))));
+                return Err(cancels::wrong_count(flags.len(), all.len()));
             }
             record_rechecks(&riders, sent, &flags[ids.len()..]);
-            let mut flags = flags;
             flags.truncate(ids.len());
             Ok(flags)
         })
@@ -342,14 +337,9 @@ pub(crate) struct JobMetrics {
 impl JobMetrics {
     /// Counts one job that ended with `status` in `llm_worker_jobs_total`.
     pub(crate) fn count(&self, status: ResultStatus) {
-        let label = status.as_str();
-        match ResultStatus::ALL.iter().position(|s| *s == status) {
-            Some(i) => self.jobs_total[i]
-                .get_or_init(|| metrics::counter!("llm_worker_jobs_total", "status" => label))
-                .increment(1),
-            // A status left out of `ALL`: through the registry.
-            None => metrics::counter!("llm_worker_jobs_total", "status" => label).increment(1),
-        }
+        self.jobs_total[status.index()]
+            .get_or_init(|| metrics::counter!("llm_worker_jobs_total", "status" => status.as_str()))
+            .increment(1);
     }
     /// `llm_worker_jobs_in_flight`.
     pub(crate) fn in_flight(&self) -> &metrics::Gauge {
