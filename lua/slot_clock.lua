@@ -11,7 +11,11 @@
 --               (lua/slot_release.lua: its receiver still counts as waiting a moment);
 --   field hb  = the same time and that receiver's token, "<ms>|<token>" (one field, so
 --               a writer of h alone, an older release script, never pairs a new time
---               with an old receiver).
+--               with an old receiver);
+--   field n|<token> = "<count>|<ms>": how many leases of the pool that process said it
+--               holds at server time ms (lua/slot_release.lua, its count word);
+--   field ns  = server TIME (ms) of the last sweep of count words (lua/slot_release.lua).
+-- Only numeric fields are slot records: every loop over the hash skips the others.
 -- Every live worker runs a slot script at least every ttl/8 (its renewer ticks even when
 -- it holds nothing), so a gap larger than `gap` ms (ttl/2) between two scripts means
 -- nobody could reach Redis: it was stopped, busy forking, failing over, or cut off. Slot
@@ -42,10 +46,15 @@
 -- The last time Redis was seen, when the latest slot_clock call found a gap it could
 -- not repair (base = nil); else nil. Per pool: every call sets it.
 local slot_unrestored = nil
+-- The server TIME ({seconds, microseconds}) the latest slot_clock call read: a script
+-- that needs the time again in the same call uses it (Redis runs one script at a time,
+-- so it orders the script against every other as well as a later TIME would).
+local slot_tm = nil
 
 local function slot_clock(h, base, n, gap)
   slot_unrestored = nil
   local tm = redis.call('TIME')
+  slot_tm = tm
   local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
   local last = tonumber(redis.call('HGET', h, 't'))
   if last and now - last > tonumber(gap) then

@@ -39,6 +39,22 @@
 -- among their own jobs, instead of handing every slot round the fleet (a release
 -- script, a hand-off stream entry, an XREAD of every waiting process and a pick-up
 -- script per job); one above its share hands its slots on, FIFO, until it is at it.
+-- Count words: each release script this process runs ends each group by writing field
+-- `n|<token>` of the lease hash, "<how many leases of the pool it holds now>|<server ms>"
+-- (m + the slots kept); a release that does not know m (m = '': the lone releases of
+-- src/slots.rs `release_values`, after a lost reply or a pick-up nobody waits for any
+-- more) and release-all delete it instead, and a hand-off to another process adds one to
+-- the receiver's word (its time unchanged). A word at most COUNT_FRESH_MS old stands in
+-- for counting the head's live records (an HGETALL of a record per slot, most of a
+-- release's time at N=64 with 8 processes: each asks every SHARE_FOR, 100 ms, in
+-- src/slots.rs); an older or missing word (a newcomer, a process that has not released
+-- lately, one that died) is read from the records, as before. Once every COUNT_GONE_MS
+-- per pool (field `ns`: when the last sweep ran), a release deletes the words silent for
+-- that long (a process that died without release-all leaves one). A word may be short
+-- (slots its process took by acquire, or was handed, since it was written) or long (a
+-- lease it lost since), for at most COUNT_FRESH_MS: it decides only who is handed a slot
+-- next, never whether a slot is free; a short word gets its process a slot sooner, a
+-- long one keeps slots from it for at most that long.
 -- Returns {released, handed_off, not_ours, then per slot in the order given: 0 not ours,
 -- 1 released, 2 handed off, 3 kept, then per pool group in the order given: how many
 -- other processes are in its waiter queue, plus one if a slot of it was handed to another
@@ -52,6 +68,18 @@ local token = ARGV[1]
 -- How long after a hand-off to another process its receiver counts as waiting (see the
 -- end of the group loop).
 local HANDED_RECENT_MS = 100
+-- How old a process's count word may be and still be read instead of its records, and
+-- after how long without a new one its word is deleted (see the header).
+local COUNT_FRESH_MS = 250
+local COUNT_GONE_MS = 60000
+-- The count word of `who` in lease hash lh: its count and time, or nil.
+local function count_word(lh, who)
+  local c, at = string.match(redis.call('HGET', lh, 'n|' .. who) or '', '^(%d+)|(%d+)$')
+  if c then
+    return tonumber(c), at
+  end
+  return nil, nil
+end
 -- Whether a slot's value is the lease released (release-all: any value of this process).
 local function matches(v, value)
   if ARGV[3] == '1' then
@@ -106,7 +134,7 @@ while a <= #ARGV do
   local c = tonumber(ARGV[a])
   local want = tonumber(ARGV[a + 1]) or 0
   local keep_prefix = ARGV[a + 2]
-  local held_other = tonumber(ARGV[a + 3]) or 0
+  local held_other = tonumber(ARGV[a + 3]) -- nil: not known (see Count words)
   local n = tonumber(ARGV[a + 4]) or 0
   local kept = 0
   local wanted = want
@@ -121,12 +149,28 @@ while a <= #ARGV do
   -- about, and the process handed a slot has just left the queue (ZREM below; within
   -- one script only this process queues again), so it is not asked about again in
   -- this group.
+  -- competitors(q, lh, now), asked once until another process's place in the queue
+  -- changes here (a hand-off or a dead waiter dropped: ZREM of the head below). This
+  -- process queueing again or leaving changes neither term: its own entry is never
+  -- counted, and the hand-off receiver it checks is another process.
+  local rivals = nil
+  local function rivals_now()
+    if rivals == nil then
+      rivals = competitors(q, lh, now)
+    end
+    return rivals
+  end
   local all, counted = nil, {}
   local function held_by(who)
-    if all == nil then
-      all = redis.call('HGETALL', lh)
-    end
     if counted[who] == nil then
+      local c, at = count_word(lh, who)
+      if c and now - tonumber(at) <= COUNT_FRESH_MS and now >= tonumber(at) then
+        counted[who] = c
+        return c
+      end
+      if all == nil then
+        all = redis.call('HGETALL', lh)
+      end
       counted[who] = leases_of(all, who, now)
     end
     return counted[who]
@@ -158,9 +202,9 @@ while a <= #ARGV do
         -- (3 and 2, say) from bouncing a slot between two processes at every release.
         local fair = false
         if want > 0 and #h > 0 and h[1] ~= token then
-          local mine_after = held_other + kept + 1
+          local mine_after = (held_other or 0) + kept + 1
           local theirs = held_by(h[1])
-          fair = mine_after <= math.floor(n / (competitors(q, lh, now) + 1))
+          fair = mine_after <= math.floor(n / (rivals_now() + 1))
             and theirs > 0 and theirs >= mine_after - 1
         end
         if want > 0 and (#h == 0 or h[1] == token or fair) then
@@ -173,8 +217,7 @@ while a <= #ARGV do
             local ttl = tonumber(ARGV[6])
             redis.call('ZADD', live, now + ttl, token)
             redis.call('PEXPIRE', live, ttl)
-            local tm = redis.call('TIME')
-            redis.call('ZADD', q, tonumber(tm[1]) * 1000000 + tonumber(tm[2]), token)
+            redis.call('ZADD', q, tonumber(slot_tm[1]) * 1000000 + tonumber(slot_tm[2]), token)
           elseif #h > 0 then
             redis.call('ZREM', q, token)
           end
@@ -189,6 +232,7 @@ while a <= #ARGV do
           break
         end
         redis.call('ZREM', q, h[1])
+        rivals = nil
         local alive = tonumber(redis.call('ZSCORE', live, h[1]))
         if alive and alive > now then
           redis.call('SET', key, h[1], 'PX', ARGV[4])
@@ -197,6 +241,10 @@ while a <= #ARGV do
           handed = handed + 1
           if h[1] ~= token then
             redis.call('HSET', lh, 'h', now, 'hb', now .. '|' .. h[1])
+            local c, at = count_word(lh, h[1])
+            if c then
+              redis.call('HSET', lh, 'n|' .. h[1], (c + 1) .. '|' .. at)
+            end
           end
           each[#each + 1] = 2
           break
@@ -211,7 +259,7 @@ while a <= #ARGV do
   -- slots among its own jobs for QUIET_FOR, skipping it; with releases that bunch,
   -- after every hand-off (one of two busy processes ended up with almost every slot).
   -- HANDED_RECENT_MS is well above a pick-up's three round trips.
-  local waiting = competitors(q, lh, now)
+  local waiting = rivals_now()
   others[#others + 1] = waiting
   local share = math.floor(n / (waiting + 1))
   if wanted == 0 then
@@ -230,6 +278,26 @@ while a <= #ARGV do
     end
   end
   shares[#shares + 1] = share
+  if ARGV[3] == '1' or held_other == nil then
+    redis.call('HDEL', lh, 'n|' .. token)
+  else
+    redis.call('HSET', lh, 'n|' .. token, (held_other + kept) .. '|' .. now)
+  end
+  local swept = tonumber(redis.call('HGET', lh, 'ns'))
+  if swept == nil or now - swept > COUNT_GONE_MS or swept > now then
+    local fields = redis.call('HKEYS', lh)
+    for j = 1, #fields do
+      local f = fields[j]
+      if string.sub(f, 1, 2) == 'n|' then
+        local _, at = count_word(lh, string.sub(f, 3))
+        at = tonumber(at)
+        if at == nil or now - at > COUNT_GONE_MS or at > now + COUNT_GONE_MS then
+          redis.call('HDEL', lh, f)
+        end
+      end
+    end
+    redis.call('HSET', lh, 'ns', now)
+  end
 end
 local out = {released, handed, not_ours}
 for j = 1, #each do

@@ -99,7 +99,8 @@ const QUIET_FOR: Duration = Duration::from_millis(25);
 /// waiter without asking again. Longer than [`QUIET_FOR`]: a process within its share
 /// takes nothing from anyone, and one asking per job's worth of releases would cost the
 /// fleet a release script per job. The script keeps by share only while the queue's
-/// head holds a slot, so a process that starts waiting is served in queue order; this
+/// head holds a slot (by the head's count word, at most 250 ms old, or its lease records:
+/// lua/slot_release.lua), so a process that starts waiting is served in queue order; this
 /// bounds how stale the word it is served by may be: such a process gets its first slot
 /// within about this plus a job (`a_newcomer_is_served_while_others_keep_slots_by_their_share`).
 /// Not longer: the releases that ask bunch a process's jobs, and with them its commits
@@ -1736,7 +1737,9 @@ fn release_values(
                 };
                 release_group_keys(&mut inv, ps);
                 inv.key(key);
-                inv.arg(1).arg(0).arg("").arg(0).arg(ps.size);
+                // No local waiter (0), and m not known here (""): the script deletes this
+                // process's count word rather than write a wrong one (slot_release.lua).
+                inv.arg(1).arg(0).arg("").arg("").arg(ps.size);
                 inv.arg(*idx).arg(value);
             }
             let sent = async {

@@ -1140,45 +1140,58 @@ async fn the_fair_share_counts_only_the_heads_own_live_leases() -> anyhow::Resul
     Ok(())
 }
 
-async fn head_leases_decide_the_keep(head_holds_one: bool) -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions::default()).await;
-    let (a, b, cancel) = pa_pb(&redis, &sim, 4, "").await;
-    let mut conn = redis.conn().await;
+/// N=4 (`pa_pb`), with `fb` (planted) heading the queue, alive: A takes two slots, and
+/// the other two are `fbx`'s, or, with `fb_record`, one of them is fb's own live lease
+/// (its value "fb#1", as a kept slot's is). Returns A's leases and the server time the
+/// records were planted at (each lives 600 s from it).
+async fn fb_heads_while_a_holds_two(
+    a: &llm_worker::slots::Slots,
+    conn: &mut Conn,
+    fb_record: bool,
+) -> anyhow::Result<(Vec<Lease>, u64)> {
     let t = Duration::from_secs(5);
     let mut held = vec![];
     for _ in 0..2 {
         held.push(tokio::time::timeout(t, a.acquire("default", t)).await??);
     }
     let mine: Vec<u32> = held.iter().map(|l| l.index()).collect();
-    let now = server_ms(&mut conn).await;
-    let lh = "{llm}:slotlease:default";
-    let (live, dead) = (now + 600_000, now.saturating_sub(60_000));
+    let now = server_ms(conn).await;
+    let live = now + 600_000;
     for (k, i) in (0..4u32).filter(|i| !mine.contains(i)).enumerate() {
-        // fbx holds the other two; with head_holds_one, fb's own live lease is one of
-        // them (its value "fb#1", as a kept slot's is).
-        let value = if head_holds_one && k == 0 {
-            "fb#1"
-        } else {
-            "fbx"
-        };
+        let value = if fb_record && k == 0 { "fb#1" } else { "fbx" };
         let _: () = redis::cmd("SET")
             .arg(format!("{{llm}}:slot:default:{i}"))
             .arg(value)
             .arg("PX")
             .arg(600_000)
-            .query_async(&mut conn)
+            .query_async(conn)
             .await?;
         let _: () = conn
-            .hset(lh, i.to_string(), format!("{value}|{live}|600000"))
+            .hset(
+                "{llm}:slotlease:default",
+                i.to_string(),
+                format!("{value}|{live}|600000"),
+            )
             .await?;
     }
+    let _: () = conn.zadd("{llm}:slotq:default", "fb", 1).await?;
+    let _: () = conn.zadd("{llm}:slotalive:default", "fb", live).await?;
+    Ok((held, now))
+}
+
+async fn head_leases_decide_the_keep(head_holds_one: bool) -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 4, "").await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let lh = "{llm}:slotlease:default";
+    let (mut held, now) = fb_heads_while_a_holds_two(&a, &mut conn, head_holds_one).await?;
+    let (live, dead) = (now + 600_000, now.saturating_sub(60_000));
     // A lapsed record of fb's (beyond N, so nothing restores or scans it as a slot), and
     // a live-looking one under a field that is no slot index.
     let _: () = conn.hset(lh, "7", format!("fb|{dead}|600000")).await?;
     let _: () = conn.hset(lh, "fbx", format!("fb|{live}|600000")).await?;
-    let _: () = conn.zadd("{llm}:slotq:default", "fb", 1).await?;
-    let _: () = conn.zadd("{llm}:slotalive:default", "fb", live).await?;
     let w = spawn_acquire(&a);
     assert!(wait_queued(&conn, a.token()).await, "A queued behind fb");
     assert!(waits_locally(&a, 1).await, "A's job waits");
@@ -1209,6 +1222,130 @@ async fn head_leases_decide_the_keep(head_holds_one: bool) -> anyhow::Result<()>
         .query_async(&mut conn)
         .await?;
     finish(&[&a, &b], &cancel).await
+}
+
+/// The head's count word (field `n|<token>` of the lease hash, lua/slot_release.lua)
+/// stands in for its records while at most 250 ms old, and only then. N=4: A holds two,
+/// `fbx` two, `fb` heads the queue; A releases one with a job of its own waiting:
+/// - a fresh word that fb holds one, with no record of fb's: A keeps (the word was read,
+///   not the records);
+/// - a fresh word that fb holds none, with a live record `fb#1`: fb is handed the slot,
+///   and its word goes up by one, its time unchanged;
+/// - a word of 2 s ago that fb holds one, no record: the records are read (fb holds
+///   none), fb is handed the slot.
+///
+/// Each time A's own word is then what it holds after the release; the pool's first
+/// release deletes a word silent for over 60 s and leaves one of 30 s; release-all (at
+/// `finish`) deletes A's. A run in which the release took over 200 ms (a loaded machine:
+/// a fresh word may have aged past 250 ms) and went the other way is run again, at most
+/// three times in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_count_word_stands_in_for_the_heads_records() -> anyhow::Result<()> {
+    // (fb's word: count, age ms; a live record of fb's; A keeps)
+    for (word, record, keeps) in [
+        ((1, 0), false, true),
+        ((0, 0), true, false),
+        ((1, 2_000), false, false),
+    ] {
+        let mut tries = 0;
+        while !count_word_decides_the_keep(word, record, keeps).await? {
+            tries += 1;
+            assert!(tries < 3, "three slow runs of {word:?} {record}");
+        }
+    }
+    Ok(())
+}
+
+/// One case of the test above: Ok(false) if it was too slow to tell.
+async fn count_word_decides_the_keep(
+    (count, age): (u32, u64),
+    record: bool,
+    keeps: bool,
+) -> anyhow::Result<bool> {
+    let case = format!("fb's word {count} of {age} ms ago, a record of fb's: {record}");
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 4, "").await;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let lh = "{llm}:slotlease:default";
+    let (mut held, now) = fb_heads_while_a_holds_two(&a, &mut conn, record).await?;
+    let _: () = conn
+        .hset_multiple(
+            lh,
+            &[
+                ("n|ghost", format!("3|{}", now - 61_000)),
+                ("n|quiet", format!("3|{}", now - 30_000)),
+            ],
+        )
+        .await?;
+    let w = spawn_acquire(&a);
+    assert!(wait_queued(&conn, a.token()).await, "A queued behind fb");
+    assert!(waits_locally(&a, 1).await, "A's job waits");
+    // fb's word, written just before the release.
+    let started = Instant::now();
+    let at = server_ms(&mut conn).await - age;
+    let _: () = conn.hset(lh, "n|fb", format!("{count}|{at}")).await?;
+    let r = held.remove(0);
+    let i = r.index();
+    r.release().await?;
+    let slow = started.elapsed() > Duration::from_millis(200);
+    let v: Option<String> = conn.get(format!("{{llm}}:slot:default:{i}")).await?;
+    let fb_word: Option<String> = conn.hget(lh, "n|fb").await?;
+    let a_word: Option<String> = conn.hget(lh, format!("n|{}", a.token())).await?;
+    let a_count = a_word
+        .as_deref()
+        .and_then(|w| w.split('|').next())
+        .map(str::to_string);
+    let (ghost, quiet): (bool, bool) = (
+        conn.hexists(lh, "n|ghost").await?,
+        conn.hexists(lh, "n|quiet").await?,
+    );
+    let kept = v.as_deref() != Some("fb");
+    if kept != keeps && slow {
+        w.abort();
+        finish(&[&a, &b], &cancel).await?;
+        return Ok(false);
+    }
+    assert!(
+        !ghost && quiet,
+        "{case}: the sweep deletes the word silent 61 s, not the one of 30 s"
+    );
+    if keeps {
+        let got = tokio::time::timeout(t, w).await???;
+        assert_eq!(got.index(), i, "{case}: A kept its release for its own job");
+        assert!(kept, "{case}: A keeps");
+        assert_eq!(
+            a_count.as_deref(),
+            Some("2"),
+            "{case}: A's word after keeping: {a_word:?}"
+        );
+        got.release().await?;
+    } else {
+        assert!(!kept, "{case}: the release is fb's");
+        assert_eq!(
+            fb_word,
+            Some(format!("{}|{at}", count + 1)),
+            "{case}: the hand-off adds one to fb's word, its time unchanged"
+        );
+        assert_eq!(
+            a_count.as_deref(),
+            Some("1"),
+            "{case}: A's word after handing on: {a_word:?}"
+        );
+        w.abort();
+    }
+    for l in held {
+        l.release().await?;
+    }
+    let _: () = redis::cmd("DEL")
+        .arg("{llm}:slotq:default")
+        .query_async(&mut conn)
+        .await?;
+    finish(&[&a, &b], &cancel).await?;
+    let a_word: bool = conn.hexists(lh, format!("n|{}", a.token())).await?;
+    assert!(!a_word, "{case}: release-all deletes A's word");
+    Ok(true)
 }
 
 /// A slot handed by a release to its own process (still queued, its last waiter gone, its

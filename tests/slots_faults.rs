@@ -558,15 +558,17 @@ async fn wait_queued(conn: &Conn, token: &str) -> bool {
     .await
 }
 
-/// A release whose slot is kept for a local waiter, with its reply lost (Redis stopped
-/// past the command timeout; the script runs when it resumes): the kept lease nobody
-/// here knows of must not hold the slot for a whole TTL. (Review of the keep path.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_kept_slot_whose_reply_is_lost_reaches_the_waiter() -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions::default()).await;
-    let mut tc = TestConfig::new(&redis, &sim);
-    tc.slots = 1;
+/// Process `pa`'s slots (N = `slots`, TTL 30 s, command timeout 300 ms, so a reply is
+/// lost while Redis is stopped for longer), its background tasks running, after one
+/// acquire and release: the release script is loaded in Redis (else a late EVALSHA is
+/// NOSCRIPT).
+async fn warm_pa_with_short_timeout(
+    redis: &RedisServer,
+    sim: &SimHandle,
+    slots: u32,
+) -> anyhow::Result<(llm_worker::slots::Slots, CancellationToken)> {
+    let mut tc = TestConfig::new(redis, sim);
+    tc.slots = slots;
     tc.ttl_ms = 30_000;
     let cancel = CancellationToken::new();
     let mut cfg = tc.parsed();
@@ -574,14 +576,25 @@ async fn a_kept_slot_whose_reply_is_lost_reaches_the_waiter() -> anyhow::Result<
     cfg.redis.command_timeout_ms = Duration::from_millis(300);
     let a = llm_worker::slots::Slots::connect(&cfg, llm_worker::connect::commands(&cfg)?).await?;
     a.spawn_background(cancel.clone());
-    let mut conn = redis.conn().await;
-    let pid = redis_pid(&mut conn).await;
     let t = Duration::from_secs(5);
-    // warm up: the release script is loaded in Redis (else the late EVALSHA is NOSCRIPT)
     tokio::time::timeout(t, a.acquire("default", t))
         .await??
         .release()
         .await?;
+    Ok((a, cancel))
+}
+
+/// A release whose slot is kept for a local waiter, with its reply lost (Redis stopped
+/// past the command timeout; the script runs when it resumes): the kept lease nobody
+/// here knows of must not hold the slot for a whole TTL. (Review of the keep path.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_slot_whose_reply_is_lost_reaches_the_waiter() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, cancel) = warm_pa_with_short_timeout(&redis, &sim, 1).await?;
+    let mut conn = redis.conn().await;
+    let pid = redis_pid(&mut conn).await;
+    let t = Duration::from_secs(5);
     let l = tokio::time::timeout(t, a.acquire("default", t)).await??;
     let aa = a.clone();
     // As a job does (take_slot): a try that meets the stopped Redis is tried again.
@@ -615,6 +628,50 @@ async fn a_kept_slot_whose_reply_is_lost_reaches_the_waiter() -> anyhow::Result<
         got.is_ok(),
         "the waiter never got the slot: {got:?}; slot {v:?} pttl {pttl}"
     );
+    cancel.cancel();
+    Ok(())
+}
+
+/// A release whose reply is lost is sent again by `release_values`, which does not know
+/// how many other slots the process holds: its script must not write a count word of 0
+/// for a process that holds two (others would hand it slots as if it held none), but
+/// delete the word (lua/slot_release.lua, "Count words"; a review's find).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_whose_reply_is_lost_leaves_no_wrong_count_word() -> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, cancel) = warm_pa_with_short_timeout(&redis, &sim, 4).await?;
+    let mut conn = redis.conn().await;
+    let pid = redis_pid(&mut conn).await;
+    let t = Duration::from_secs(5);
+    let mut held = vec![];
+    for _ in 0..3 {
+        held.push(tokio::time::timeout(t, a.acquire("default", t)).await??);
+    }
+    let l = held.remove(0);
+    signal(pid, libc_sig::STOP);
+    let rel = tokio::spawn(async move { l.release().await });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    signal(pid, libc_sig::CONT);
+    // Its script (or, nobody else waiting, the idle slot's flush a moment later) was
+    // sent while Redis was stopped: its reply is lost either way.
+    let _ = rel.await?;
+    // Both passes of release_orphans (command_timeout x 2 apart), then the word.
+    let field = format!("n|{}", a.token());
+    let mut word: Option<String> = None;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        word = conn.hget("{llm}:slotlease:default", &field).await?;
+        if word.as_deref().is_some_and(|w| w.starts_with("0|")) {
+            break;
+        }
+    }
+    assert_eq!(a.held(), 2);
+    assert!(
+        word.as_deref().is_none_or(|w| w.starts_with("2|")),
+        "A holds two, its count word says {word:?}"
+    );
+    drop(held);
     cancel.cancel();
     Ok(())
 }
