@@ -11,7 +11,8 @@
 -- ARGV[7] how many entries a hand-off stream keeps (approximately, MAXLEN ~)
 -- ARGV[8..] for each group: count c, w = how many local waiters of this process want a
 --         slot of the pool, prefix of the values of slots kept for them, m = how many
---         other slots of the pool this process holds, n = the pool's N, then c pairs:
+--         other slots of the pool this process holds ('' = not known: see Count words),
+--         n = the pool's N, then c pairs:
 --         slot index, the value of the lease released (release-all: any value of this
 --         process, `<token>` or `<token>#...`)
 --
@@ -50,7 +51,8 @@
 -- src/slots.rs); an older or missing word (a newcomer, a process that has not released
 -- lately, one that died) is read from the records, as before. Once every COUNT_GONE_MS
 -- per pool (field `ns`: when the last sweep ran), a release deletes the words silent for
--- that long (a process that died without release-all leaves one). A word may be short
+-- that long (a process that died without release-all leaves one) or dated after its own
+-- time. A word may be short
 -- (slots its process took by acquire, or was handed, since it was written) or long (a
 -- lease it lost since), for at most COUNT_FRESH_MS: it decides only who is handed a slot
 -- next, never whether a slot is free; a short word gets its process a slot sooner, a
@@ -143,7 +145,8 @@ while a <= #ARGV do
   k = k + 4
   local now = slot_clock(lh, nil, 0, ARGV[5])
   -- The lease hash as first read (one HGETALL, at most once per pool group, and only
-  -- when a slot may be kept by fair share or a share is to be told), and each process's
+  -- when a slot may be kept by fair share or a share is to be told and the head's count
+  -- word is missing or stale), and each process's
   -- count in it once asked. A hand-off this script makes after the read is not in it,
   -- and need not be: only the queue's head other than this process is ever asked
   -- about, and the process handed a slot has just left the queue (ZREM below; within
@@ -291,7 +294,9 @@ while a <= #ARGV do
       if string.sub(f, 1, 2) == 'n|' then
         local _, at = count_word(lh, string.sub(f, 3))
         at = tonumber(at)
-        if at == nil or now - at > COUNT_GONE_MS or at > now + COUNT_GONE_MS then
+        -- (A word from the future, after Redis's clock stepped back, goes too: else it
+        -- would count as fresh once the clock caught up.)
+        if at == nil or now - at > COUNT_GONE_MS or at > now then
           redis.call('HDEL', lh, f)
         end
       end
