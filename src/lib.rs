@@ -27,6 +27,7 @@ pub mod gate;
 pub mod job;
 pub mod keycheck;
 pub mod letters;
+pub mod line;
 pub mod notify;
 pub mod outcome;
 pub mod provider;

@@ -26,6 +26,7 @@ pub use wire::{
 
 use crate::config::Config;
 use crate::connect::{Commands, ConnectError};
+use crate::line::{Line, Role, Waiting};
 use crate::scripts;
 use redis::aio::MultiplexedConnection;
 use std::sync::Arc;
@@ -521,7 +522,7 @@ pub struct QueueInner {
     reclaim_script: &'static redis::Script,
     claim_idle_ms: u64,
     /// Commits waiting to be sent together ([`Queue::commit_shared`]).
-    line: std::sync::Mutex<CommitLine>,
+    line: Arc<Line<Arc<Commit>, CommitAnswer>>,
     /// Entries already reported as deleted by the producer while we work on them (so the
     /// keepalive logs and counts each once).
     reported_deleted: std::sync::Mutex<std::collections::HashSet<String>>,
@@ -598,7 +599,7 @@ impl Queue {
             keepalive_script: &scripts::KEEPALIVE,
             reclaim_script: &scripts::RECLAIM,
             claim_idle_ms: u64::try_from(cfg.queue.claim_idle_ms.as_millis()).unwrap_or(u64::MAX),
-            line: Default::default(),
+            line: Arc::new(Line::new(COMMIT_SENDERS)),
             reported_deleted: Default::default(),
         }))
     }
@@ -774,22 +775,10 @@ impl Queue {
     /// heal (or whose batch failed with a pool error that cannot be copied to each job) is
     /// sent again alone, so its answer is exactly [`Queue::commit`]'s.
     pub async fn commit_shared(&self, c: Arc<Commit>) -> Result<CommitOutcome, QueueError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let lead = {
-            let mut line = crate::sync::lock(&self.line);
-            line.waiting.push(PendingCommit {
-                commit: c.clone(),
-                done: tx,
-            });
-            let lead = line.senders < COMMIT_SENDERS;
-            if lead {
-                line.senders += 1;
-            }
-            lead
-        };
-        if lead {
+        let (rx, role) = self.line.join(c.clone());
+        if let Some(role) = role {
             // A task of its own: a caller that stops waiting cannot strand the others.
-            tokio::spawn(run_commits(self.clone()));
+            tokio::spawn(run_commits(self.clone(), role));
         }
         match rx.await {
             Ok(Some(r)) => r,
@@ -810,63 +799,28 @@ pub const COMMIT_BATCH_MAX: usize = 32;
 /// A batch takes no further job once its commits hold this many bytes.
 pub const COMMIT_BATCH_BYTES: usize = 256 << 10;
 
-/// A commit waiting for the next call of [`run_commits`]; `done` gets `None` when the
-/// job must be sent alone.
-struct PendingCommit {
-    commit: Arc<Commit>,
-    done: tokio::sync::oneshot::Sender<Option<Result<CommitOutcome, QueueError>>>,
-}
-
-/// The commits waiting to be sent, and how many [`run_commits`] tasks send them.
-#[derive(Default)]
-pub(crate) struct CommitLine {
-    waiting: Vec<PendingCommit>,
-    senders: usize,
-}
+/// What [`run_commits`] answers a commit: `None` when the job must be sent alone.
+type CommitAnswer = Option<Result<CommitOutcome, QueueError>>;
+/// A commit waiting for the next call of [`run_commits`].
+type PendingCommit = Waiting<Arc<Commit>, CommitAnswer>;
 
 /// Sends the waiting commits, a batch per call, until none waits.
-async fn run_commits(q: Queue) {
-    // Should this task end early (a panic, the runtime shutting down), the next commit
-    // must start a sender again, and if no other sender is left nobody may wait
-    // forever: every waiting job is sent alone. A normal end leaves under the lock.
-    struct Sender(Queue, bool);
-    impl Drop for Sender {
-        fn drop(&mut self) {
-            if self.1 {
-                return;
-            }
-            let mut line = crate::sync::lock(&self.0.line);
-            line.senders -= 1;
-            if line.senders == 0 {
-                for p in line.waiting.drain(..) {
-                    let _ = p.done.send(None);
-                }
-            }
-        }
-    }
-    let mut sender = Sender(q.clone(), false);
-    loop {
-        let batch: Vec<PendingCommit> = {
-            let mut line = crate::sync::lock(&q.line);
-            // A caller that stopped waiting (shutdown past its grace) is not committed
-            // behind its back: its entry stays pending for another worker.
-            line.waiting.retain(|p| !p.done.is_closed());
-            if line.waiting.is_empty() {
-                line.senders -= 1;
-                sender.1 = true;
-                return;
-            }
-            take_batch(&mut line.waiting)
-        };
+/// `role`: a sender's place in the line (should this task end early, a panic or the
+/// runtime shutting down, its drop gives it back, and if no other sender is left every
+/// waiting job hears back and is sent alone). A caller that stopped waiting (shutdown
+/// past its grace) is not committed behind its back: its entry stays pending for another
+/// worker.
+async fn run_commits(q: Queue, mut role: Role<Arc<Commit>, CommitAnswer>) {
+    while let Some(batch) = q.line.next(&mut role, take_batch) {
         if batch.len() == 1 {
             if let Some(p) = batch.into_iter().next() {
-                let r = q.commit(&p.commit).await;
+                let r = q.commit(&p.item).await;
                 let _ = p.done.send(Some(r));
             }
             continue;
         }
         metrics::histogram!("llm_worker_commit_batch_jobs").record(batch.len() as f64);
-        let refs: Vec<&Commit> = batch.iter().map(|p| &*p.commit).collect();
+        let refs: Vec<&Commit> = batch.iter().map(|p| &*p.item).collect();
         match q.commit_batch(&refs).await {
             Ok(per_job) => {
                 for (p, r) in batch.into_iter().zip(per_job) {
@@ -899,7 +853,7 @@ fn take_batch(waiting: &mut Vec<PendingCommit>) -> Vec<PendingCommit> {
     let mut ids: Vec<&str> = Vec::new();
     let mut picked = Vec::new();
     for (i, p) in waiting.iter().enumerate() {
-        let c = &p.commit;
+        let c = &p.item;
         if picked.len() == COMMIT_BATCH_MAX
             || (!picked.is_empty() && bytes + c.size() > COMMIT_BATCH_BYTES)
         {

@@ -9,7 +9,8 @@
 //! 8 processes, 0.48 MGETs a job in all, the command sent most after the commit). Here
 //! the first ask of a burst sends one read; the asks that come while it is out go
 //! together in the next, and so on: never more than one read out at a time, and no
-//! ask waits longer than the read in flight plus its own.
+//! ask waits longer than the read in flight plus its own (a [`Line`] with one sender,
+//! the line the commit sender uses too).
 //!
 //! Invariants:
 //! - an ask is answered `Ok(found)` only with the flag Redis gave for that very id in
@@ -19,12 +20,11 @@
 //!   ran) with a healing error the asker retries on;
 //! - at most one read is out at a time, and while asks wait one is out or about to be.
 
+use crate::line::{Line, Role};
 use crate::queue::QueueError;
-use crate::sync::lock;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use tokio::sync::oneshot;
+use std::sync::Arc;
 
 /// One ask's answer: whether the id has a cancel marker.
 pub(super) type Answer = Result<bool, QueueError>;
@@ -37,25 +37,17 @@ pub(super) type ReadMarkers = Arc<
         + Sync,
 >;
 
-/// The gatherer (see the module doc).
+/// The gatherer (see the module doc): a [`Line`] of ids with one sender, the reader.
 pub(super) struct CancelReads {
     read: ReadMarkers,
-    state: Mutex<Waiting>,
-}
-
-#[derive(Default)]
-struct Waiting {
-    /// Asks not yet sent, in the order they came.
-    asks: Vec<(String, oneshot::Sender<Answer>)>,
-    /// A task is sending the reads (it sends until no ask is left).
-    reading: bool,
+    line: Arc<Line<String, Answer>>,
 }
 
 impl CancelReads {
     pub(super) fn new(read: ReadMarkers) -> CancelReads {
         CancelReads {
             read,
-            state: Mutex::default(),
+            line: Arc::new(Line::new(1)),
         }
     }
 
@@ -63,82 +55,38 @@ impl CancelReads {
     /// out next (at once when none is out). Cancel-safe: a dropped ask is simply not
     /// answered.
     pub(super) async fn ask(self: &Arc<Self>, id: String) -> Answer {
-        let (tx, rx) = oneshot::channel();
-        let lead = {
-            let mut w = lock(&self.state);
-            w.asks.push((id, tx));
-            !std::mem::replace(&mut w.reading, true)
-        };
-        if lead {
-            // The guard is made here, not in the task: a task dropped before its first
-            // poll (spawned while the runtime shuts down) still ends the reading role.
-            tokio::spawn(CancelReads::serve(Serving::new(self.clone())));
+        let (rx, role) = self.line.join(id);
+        if let Some(role) = role {
+            tokio::spawn(CancelReads::serve(self.clone(), role));
         }
+        // The reader ended without answering (a panic, dropped): retry.
         rx.await.unwrap_or_else(|_| Err(gone()))
     }
 
-    /// Sends reads until no ask waits: each read takes every ask that came before it.
-    /// `guard` holds the reading role (taken by the ask that started this reader).
-    async fn serve(mut guard: Serving) {
-        let me = guard.reads.clone();
-        loop {
-            let asks = {
-                let mut w = lock(&me.state);
-                // An asker that stopped waiting (its bound ran out, a signal) is not read
-                // for, as the commit sender skips a commit nobody waits for.
-                w.asks.retain(|(_, tx)| !tx.is_closed());
-                if w.asks.is_empty() {
-                    w.reading = false;
-                    guard.done = true;
-                    return;
-                }
-                std::mem::take(&mut w.asks)
-            };
-            let ids: Vec<String> = asks.iter().map(|(id, _)| id.clone()).collect();
+    /// Sends reads until no ask waits: each read takes every ask that came before it
+    /// (an asker that stopped waiting, its bound run out or a signal, is not read for).
+    async fn serve(self: Arc<Self>, mut role: Role<String, Answer>) {
+        while let Some(asks) = self.line.next(&mut role, std::mem::take) {
+            let ids: Vec<String> = asks.iter().map(|w| w.item.clone()).collect();
             let n = ids.len();
-            match (me.read)(ids).await {
+            match (self.read)(ids).await {
                 Ok(flags) if flags.len() == n => {
-                    for ((_, tx), found) in asks.into_iter().zip(flags) {
-                        let _ = tx.send(Ok(found));
+                    for (w, found) in asks.into_iter().zip(flags) {
+                        let _ = w.done.send(Ok(found));
                     }
                 }
                 Ok(flags) => {
-                    for (_, tx) in asks {
-                        let _ = tx.send(Err(wrong_count(flags.len(), n)));
+                    for w in asks {
+                        let _ = w.done.send(Err(wrong_count(flags.len(), n)));
                     }
                 }
                 Err(e) => {
-                    for (_, tx) in asks {
-                        let _ = tx.send(Err(e.copy().unwrap_or_else(|| lost(&e))));
+                    for w in asks {
+                        let _ = w.done.send(Err(e.copy().unwrap_or_else(|| lost(&e))));
                     }
                 }
             }
         }
-    }
-}
-
-/// Ends the reading role however [`CancelReads::serve`] ends: an ending other than its
-/// own (a panic, the task dropped before or while it ran) drops the waiting asks, whose
-/// askers then retry ([`gone`]), and lets the next ask start a reader again.
-struct Serving {
-    reads: Arc<CancelReads>,
-    done: bool,
-}
-
-impl Serving {
-    fn new(reads: Arc<CancelReads>) -> Serving {
-        Serving { reads, done: false }
-    }
-}
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        let mut w = lock(&self.reads.state);
-        w.reading = false;
-        w.asks.clear();
     }
 }
 
@@ -174,6 +122,8 @@ fn lost(e: &QueueError) -> QueueError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sync::lock;
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
@@ -226,7 +176,7 @@ mod tests {
             later.push((id.clone(), tokio::spawn(async move { r.ask(id).await })));
         }
         // Every later ask is queued before the first read comes back.
-        until(|| lock(&reads.state).asks.len() == 10).await;
+        until(|| reads.line.waiting() == 10).await;
         gate.add_permits(2);
         assert!(!first.await.expect("task").expect("answer"));
         for (id, t) in later {
@@ -241,7 +191,7 @@ mod tests {
         );
         assert_eq!(seen[1].len(), 10);
         assert!(
-            !lock(&reads.state).reading,
+            reads.line.senders() == 0,
             "no reader left once every ask is answered"
         );
     }
@@ -324,16 +274,15 @@ mod tests {
         let read: ReadMarkers =
             Arc::new(|ids: Vec<String>| Box::pin(async move { Ok(vec![false; ids.len()]) }));
         let reads = Arc::new(CancelReads::new(read));
-        let (tx, rx) = oneshot::channel();
-        lock(&reads.state).asks.push(("x".into(), tx));
-        lock(&reads.state).reading = true;
-        drop(CancelReads::serve(Serving::new(reads.clone())));
+        let (rx, role) = reads.line.join("x".into());
+        let role = role.expect("the first ask takes the reading role");
+        drop(CancelReads::serve(reads.clone(), role));
         let held = tokio::time::timeout(Duration::from_secs(5), rx).await;
         assert!(
             held.is_ok_and(|r| r.is_err()),
             "the held ask is dropped, not left waiting"
         );
-        assert!(!lock(&reads.state).reading);
+        assert!(reads.line.senders() == 0);
         let again = tokio::time::timeout(Duration::from_secs(5), reads.ask("x".into()))
             .await
             .expect("answered");
