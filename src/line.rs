@@ -7,10 +7,11 @@
 //! Invariants:
 //! - at most `max_senders` sender roles are held at once, and while work waits one is
 //!   held (the joiner that took it spawns the task that owns it);
-//! - every joiner hears back: its answer, or, should the last role end other than by
-//!   [`Line::next`] finding nothing left (a panic, its task dropped before or while it
-//!   ran), its answer channel closed with nothing sent (the joiner then falls back: it
-//!   retries, or sends alone);
+//! - every joiner hears back: its answer, or its answer channel closed with nothing
+//!   sent (the joiner then falls back: it retries, or sends alone): the work a sender had
+//!   taken goes with it should its task end early (a panic, dropped before or while it
+//!   ran), and should the last role end so (other than by [`Role::next`] finding nothing
+//!   left), every waiting item's channel is closed too;
 //! - work whose joiner stopped waiting (its channel closed) is not taken.
 
 use crate::sync::lock;
@@ -37,7 +38,7 @@ pub struct Waiting<T, A> {
 }
 
 /// A sender's role, taken by [`Line::join`] and owned by the sender task; given back by
-/// [`Line::next`] when nothing waits, or by its drop (see the module doc).
+/// [`Role::next`] when nothing waits, or by its drop (see the module doc).
 pub struct Role<T, A> {
     line: Arc<Line<T, A>>,
     done: bool,
@@ -72,24 +73,6 @@ impl<T, A> Line<T, A> {
         (rx, role)
     }
 
-    /// The next work for the sender holding `role`: what `take` picks from the waiting
-    /// items, in order, once those whose joiners stopped waiting are dropped. `None` when
-    /// nothing waits: the role ends.
-    pub fn next(
-        &self,
-        role: &mut Role<T, A>,
-        take: impl FnOnce(&mut Vec<Waiting<T, A>>) -> Vec<Waiting<T, A>>,
-    ) -> Option<Vec<Waiting<T, A>>> {
-        let mut s = lock(&self.state);
-        s.waiting.retain(|w| !w.done.is_closed());
-        if s.waiting.is_empty() {
-            s.senders -= 1;
-            role.done = true;
-            return None;
-        }
-        Some(take(&mut s.waiting))
-    }
-
     /// How many items wait (tests).
     pub fn waiting(&self) -> usize {
         lock(&self.state).waiting.len()
@@ -98,6 +81,33 @@ impl<T, A> Line<T, A> {
     /// How many sender roles are held (tests).
     pub fn senders(&self) -> usize {
         lock(&self.state).senders
+    }
+}
+
+impl<T, A> Role<T, A> {
+    /// The next work for this sender: what `take` picks (at least one item) from the
+    /// waiting items, in order, once those whose joiners stopped waiting are dropped.
+    /// `None` when nothing waits: the role ends (and every later call says `None`).
+    pub fn next(
+        &mut self,
+        take: impl FnOnce(&mut Vec<Waiting<T, A>>) -> Vec<Waiting<T, A>>,
+    ) -> Option<Vec<Waiting<T, A>>> {
+        if self.done {
+            return None;
+        }
+        let mut s = lock(&self.line.state);
+        s.waiting.retain(|w| !w.done.is_closed());
+        if s.waiting.is_empty() {
+            s.senders -= 1;
+            self.done = true;
+            return None;
+        }
+        let batch = take(&mut s.waiting);
+        debug_assert!(
+            !batch.is_empty(),
+            "a sender took nothing from a waiting line"
+        );
+        Some(batch)
     }
 }
 
@@ -146,9 +156,10 @@ mod tests {
         let (_kept, _) = line.join(2);
         drop(gone);
         let mut role = role.expect("the first joiner takes the role");
-        let batch = line.next(&mut role, std::mem::take).expect("one waits");
+        let batch = role.next(std::mem::take).expect("one waits");
         assert_eq!(batch.iter().map(|w| w.item).collect::<Vec<_>>(), vec![2]);
-        assert!(line.next(&mut role, std::mem::take).is_none());
+        assert!(role.next(std::mem::take).is_none());
+        assert!(role.next(std::mem::take).is_none(), "ended stays ended");
         drop(role);
         assert_eq!(line.senders(), 0);
     }

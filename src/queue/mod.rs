@@ -492,8 +492,8 @@ impl Commit {
     }
 }
 
-/// The queue's handle: one `Arc` clone. A commit batch's sender task takes one per
-/// batch ([`Queue::commit_shared`]), so cloning must not copy the key names or the
+/// The queue's handle: one `Arc` clone. Each commit sender task takes one
+/// ([`Queue::commit_shared`]), so cloning must not copy the key names or the
 /// scripts' sources (commit.lua alone is 17 KB: a copy per batch cost a quarter of the
 /// worker's `memcpy` at a 200 ms model).
 #[derive(Clone)]
@@ -801,7 +801,7 @@ pub const COMMIT_BATCH_BYTES: usize = 256 << 10;
 
 /// What [`run_commits`] answers a commit: `None` when the job must be sent alone.
 type CommitAnswer = Option<Result<CommitOutcome, QueueError>>;
-/// A commit waiting for the next call of [`run_commits`].
+/// A commit waiting for the next batch of [`run_commits`].
 type PendingCommit = Waiting<Arc<Commit>, CommitAnswer>;
 
 /// Sends the waiting commits, a batch per call, until none waits.
@@ -811,7 +811,7 @@ type PendingCommit = Waiting<Arc<Commit>, CommitAnswer>;
 /// past its grace) is not committed behind its back: its entry stays pending for another
 /// worker.
 async fn run_commits(q: Queue, mut role: Role<Arc<Commit>, CommitAnswer>) {
-    while let Some(batch) = q.line.next(&mut role, take_batch) {
+    while let Some(batch) = role.next(take_batch) {
         if batch.len() == 1 {
             if let Some(p) = batch.into_iter().next() {
                 let r = q.commit(&p.item).await;

@@ -66,7 +66,7 @@ impl CancelReads {
     /// Sends reads until no ask waits: each read takes every ask that came before it
     /// (an asker that stopped waiting, its bound run out or a signal, is not read for).
     async fn serve(self: Arc<Self>, mut role: Role<String, Answer>) {
-        while let Some(asks) = self.line.next(&mut role, std::mem::take) {
+        while let Some(asks) = role.next(std::mem::take) {
             let ids: Vec<String> = asks.iter().map(|w| w.item.clone()).collect();
             let n = ids.len();
             match (self.read)(ids).await {
