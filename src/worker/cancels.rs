@@ -67,22 +67,24 @@ impl CancelReads {
     /// (an asker that stopped waiting, its bound run out or a signal, is not read for).
     async fn serve(self: Arc<Self>, mut role: Role<String, Answer>) {
         while let Some(asks) = role.next(std::mem::take) {
-            let ids: Vec<String> = asks.iter().map(|w| w.item.clone()).collect();
+            // The ids go to the read, moved (not copied); the answers' channels stay here.
+            let (ids, done): (Vec<String>, Vec<_>) =
+                asks.into_iter().map(|w| (w.item, w.done)).unzip();
             let n = ids.len();
             match (self.read)(ids).await {
                 Ok(flags) if flags.len() == n => {
-                    for (w, found) in asks.into_iter().zip(flags) {
-                        let _ = w.done.send(Ok(found));
+                    for (tx, found) in done.into_iter().zip(flags) {
+                        let _ = tx.send(Ok(found));
                     }
                 }
                 Ok(flags) => {
-                    for w in asks {
-                        let _ = w.done.send(Err(wrong_count(flags.len(), n)));
+                    for tx in done {
+                        let _ = tx.send(Err(wrong_count(flags.len(), n)));
                     }
                 }
                 Err(e) => {
-                    for w in asks {
-                        let _ = w.done.send(Err(e.copy().unwrap_or_else(|| lost(&e))));
+                    for tx in done {
+                        let _ = tx.send(Err(e.copy().unwrap_or_else(|| lost(&e))));
                     }
                 }
             }
