@@ -173,6 +173,8 @@ async fn deadlines_expire_a_job_not_started_and_abort_one_running_past_it() -> a
     let cfg = tc.write(dir.path(), "d.toml");
     let mut conn = redis.conn().await;
     let mut w = WorkerProc::spawn(&cfg, "d1", &[]);
+    // Started first, so the deadline measures the job, not the process's start.
+    assert_started(&[&w]).await;
     let pushed = Instant::now();
     push(
         &mut conn,
@@ -181,7 +183,7 @@ async fn deadlines_expire_a_job_not_started_and_abort_one_running_past_it() -> a
             job_with("late", serde_json::json!({"deadline_ms": now_ms() - 1000})),
             job_with(
                 "runs-over",
-                serde_json::json!({"deadline_ms": now_ms() + 1500}),
+                serde_json::json!({"deadline_ms": now_ms() + 3000}),
             ),
         ],
     )
@@ -201,7 +203,7 @@ async fn deadlines_expire_a_job_not_started_and_abort_one_running_past_it() -> a
     assert!(over["error"].contains("aborted"), "{over:?}");
     assert_eq!(calls_of(&sim, "runs-over"), 1);
     assert!(
-        took >= Duration::from_millis(1300) && took < Duration::from_secs(6),
+        took >= Duration::from_millis(2800) && took < Duration::from_secs(8),
         "expired at its deadline, not before nor much after: {took:?}"
     );
     assert!(
@@ -251,12 +253,13 @@ async fn an_aborted_call_stays_counted_at_its_worst_case_in_the_budget() -> anyh
     let cfg = tc.write(dir.path(), "b.toml");
     let mut conn = redis.conn().await;
     let mut w = WorkerProc::spawn(&cfg, "b1", &[]);
+    assert_started(&[&w]).await;
     push(
         &mut conn,
         "llm",
         &[job_with(
             "cut",
-            serde_json::json!({"deadline_ms": now_ms() + 800}),
+            serde_json::json!({"deadline_ms": now_ms() + 2000}),
         )],
     )
     .await;
@@ -308,14 +311,17 @@ async fn a_job_stopped_during_its_slot_acquisition_strands_no_slot() -> anyhow::
     let mut w = WorkerProc::spawn(
         &cfg,
         "s1",
-        &[("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS", "1500")],
+        &[("LLM_WORKER_DEBUG_SLOW_ACQUIRE_REPLY_MS", "3000")],
     );
+    // Started first, so the deadline (1.5 s) falls within the slowed reply (3 s) even
+    // on a loaded machine.
+    assert_started(&[&w]).await;
     push(
         &mut conn,
         "llm",
         &[job_with(
             "mid-acquire",
-            serde_json::json!({"deadline_ms": now_ms() + 500}),
+            serde_json::json!({"deadline_ms": now_ms() + 1500}),
         )],
     )
     .await;

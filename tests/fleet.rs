@@ -203,7 +203,9 @@ async fn sigkill_holder_slots_come_back_within_ttl() -> anyhow::Result<()> {
     .await;
     let freed_after = killed.elapsed();
     assert!(freed, "A's slots freed within TTL + 1 s");
-    let done = wait_for(bound.saturating_sub(killed.elapsed()), || {
+    // B, queued for a slot, takes the freed ones and runs its two instant calls: 3 s
+    // from the slots' freeing is room for its wait tick and a loaded machine.
+    let done = wait_for(Duration::from_secs(3), || {
         let mut c = conn.clone();
         async move { xlen(&mut c, "{llm}:results").await >= 2 }
     })
@@ -211,7 +213,7 @@ async fn sigkill_holder_slots_come_back_within_ttl() -> anyhow::Result<()> {
     let done_after = killed.elapsed();
     assert!(
         done,
-        "B got the freed slots and finished its jobs within TTL + 1 s of the kill\n{}",
+        "B got the freed slots and finished its jobs within 3 s of their freeing\n{}",
         b.log()
     );
     eprintln!("A's slots freed {freed_after:?} after SIGKILL; B's jobs done after {done_after:?}");

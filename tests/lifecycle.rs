@@ -222,13 +222,13 @@ async fn self_reclaimed_entry_is_not_called_twice() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Point 8: two entries of one id and a third job, concurrency 2, 1.5 s calls. The copy of
+/// Point 8: two entries of one id and a third job, concurrency 2, 4 s calls. The copy of
 /// the busy id must not hold a job permit while it waits: the third job's call runs
 /// alongside the first copy's. When the first copy ends `ok`, the copy is answered as a
 /// duplicate without a model call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_copy_waits_without_a_permit_and_ends_as_duplicate() -> anyhow::Result<()> {
-    let mut bed = Bed::new(latency(1500), |tc| tc.concurrency = 2).await?;
+    let mut bed = Bed::new(latency(4000), |tc| tc.concurrency = 2).await?;
     push(
         &mut bed.conn,
         "llm",
@@ -241,7 +241,9 @@ async fn busy_copy_waits_without_a_permit_and_ends_as_duplicate() -> anyhow::Res
         "first copy runs\n{}",
         w.log()
     );
-    let both = in_flight_at_least(&bed.sim, 2, Duration::from_millis(1200)).await;
+    // Within the first call (4 s): were the copy holding a permit, the third job's call
+    // would start only after the first ends, and two would never run at once.
+    let both = in_flight_at_least(&bed.sim, 2, Duration::from_millis(3500)).await;
     assert!(
         both,
         "the third job runs while the copy waits (the copy holds no permit)\n{}",

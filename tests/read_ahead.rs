@@ -122,7 +122,8 @@ async fn holds_concurrency_plus_read_ahead_and_calls_at_most_concurrency() -> an
 /// no call is not counted), nothing stays pending, and a second worker does them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_hands_back_the_entries_read_ahead_without_a_call() -> anyhow::Result<()> {
-    let mut bed = Bed::new(1000, 2, 3).await?;
+    // Calls of 3 s: none ends between the wait below and the signal on a loaded machine.
+    let mut bed = Bed::new(3000, 2, 3).await?;
     push(&mut bed.conn, "llm", &jobs("job", 8)).await;
     let mut w = WorkerProc::spawn(&bed.cfg, "w1", &[]);
     assert!(
@@ -271,24 +272,25 @@ async fn a_cancel_found_with_the_entry_holds_when_the_re_read_fails() -> anyhow:
     Ok(())
 }
 
-/// Concurrency 1, read-ahead 1, calls of 2.5 s, `claim_idle_ms` 3000 (keepalive every
-/// second): a job without an id waits, read ahead, for 2.5 s; just before its turn
-/// another consumer takes its entry over (XCLAIM), between two keepalives. Having waited
-/// over a third of `claim_idle_ms` since its read, it checks that its entry is still
-/// its worker's before the call: no call here.
+/// Concurrency 1, read-ahead 1, calls of 5 s, `claim_idle_ms` 9000 (keepalive every
+/// 3 s): a job without an id waits, read ahead, for 5 s; a second before its turn
+/// another consumer takes its entry over (XCLAIM), between two keepalives (about 1 s
+/// from each, room for a loaded machine). Having waited over a third of `claim_idle_ms`
+/// since its read, it checks that its entry is still its worker's before the call: no
+/// call here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_held_long_checks_its_entry_is_still_ours_before_its_call() -> anyhow::Result<()> {
-    let mut bed = Bed::new(2500, 1, 1).await?;
+    let mut bed = Bed::new(5000, 1, 1).await?;
     let later = bed.push_first_and_idless().await?;
-    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "3000")];
+    let env = [("LLM_WORKER__QUEUE__CLAIM_IDLE_MS", "9000")];
     let mut w = bed.spawn_with_idless_read_ahead(&env).await;
-    tokio::time::sleep(Duration::from_millis(2300)).await;
+    tokio::time::sleep(Duration::from_millis(4000)).await;
     xclaim(&mut bed.conn, "thief", &later, 0, 1).await;
     context(
         wait_len(&mut bed.conn, "{llm}:results", 1, Duration::from_secs(10)).await,
         &[&w],
     )?;
-    // Its turn came at about 2.5 s; give a wrong call time to show.
+    // Its turn came at about 5 s; give a wrong call time to show.
     tokio::time::sleep(Duration::from_millis(800)).await;
     let calls = bed
         .sim

@@ -542,7 +542,9 @@ async fn a_cooldown_found_by_one_worker_is_honoured_by_another() {
     let _: i64 = redis::AsyncCommands::hdel(&mut conn, "{llm}:cooldowns", "m:m1")
         .await
         .expect("HDEL");
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // B rereads the cooldowns every second (`cooldown::REFRESH`): 3 s is room for a
+    // loaded machine.
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
     push(&mut conn, "llm", &[job("c4", "hi")]).await;
     context(wait_len(&mut conn, "{llm}:results", 4, T).await, &[&b]).expect("c4's result");
     let last = entries(&mut conn, "{llm}:results").await.remove(3).1;

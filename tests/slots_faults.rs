@@ -705,12 +705,22 @@ async fn a_keep_racing_a_pickup_leaves_no_stale_queue_entry() -> anyhow::Result<
         r2?;
         let g1 = tokio::time::timeout(t, w1).await???;
         let g2 = tokio::time::timeout(t, w2).await???;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        if conn
-            .zscore::<_, _, Option<f64>>(Q, a.token())
-            .await?
-            .is_some()
-        {
+        // A's leaving the queue is a spawned step and a round trip: awaited (500 ms at
+        // most, against 100 ms slept before) so a loaded machine's late step is not
+        // counted as a stale entry.
+        let token = a.token().to_string();
+        let left = wait_for(Duration::from_millis(500), || {
+            let mut c = conn.clone();
+            let token = token.clone();
+            async move {
+                c.zscore::<_, _, Option<f64>>(Q, &token)
+                    .await
+                    .map(|s| s.is_none())
+                    .unwrap_or(false)
+            }
+        })
+        .await;
+        if !left {
             stale += 1;
             eprintln!("round {round}: A queued with no waiter");
         }
@@ -791,13 +801,25 @@ async fn a_lease_lapsed_before_its_reply_was_read_is_not_handed_on() -> anyhow::
         async {
             // Both of A's keys (PX 1000) lapse while its replies are held up; another
             // holder takes them.
-            tokio::time::sleep(Duration::from_millis(1150)).await;
+            // Awaited rather than slept: on a loaded machine A's scripts may run a little
+            // after they were sent, and their keys lapse that much later.
+            tokio::time::sleep(Duration::from_millis(1000)).await;
             let mut c = redis.conn().await;
-            for i in 0..2 {
-                let k = format!("{{llm}}:slot:default:{i}");
-                let v: Option<String> = c.get(&k).await.expect("GET");
-                assert!(v.is_none(), "A's key {k} should have lapsed: {v:?}");
-                let _: () = c.set_ex(&k, "other#1", 10).await.expect("SET");
+            let keys: Vec<String> = (0..2)
+                .map(|i| format!("{{llm}}:slot:default:{i}"))
+                .collect();
+            let lapsed = wait_for(Duration::from_secs(2), || {
+                let mut c = c.clone();
+                let keys = keys.clone();
+                async move {
+                    let n: usize = c.exists(&keys).await.expect("EXISTS");
+                    n == 0
+                }
+            })
+            .await;
+            assert!(lapsed, "A's keys {keys:?} should have lapsed");
+            for k in &keys {
+                let _: () = c.set_ex(k, "other#1", 10).await.expect("SET");
             }
         }
     );
