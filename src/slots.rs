@@ -228,6 +228,13 @@ struct PoolState {
     idle: Mutex<Vec<IdleSlot>>,
     /// Whether a task releases idle slots once their time is up.
     idle_flusher: AtomicBool,
+    /// Asking releases of the pool (`PendingRelease::ask`) sent and not yet answered, and
+    /// the wake-up when one is. A job that asks for a slot meanwhile waits for that
+    /// answer (bounded) before an acquire script of its own: the release usually keeps
+    /// the slot for it, and a try sent beside it would find every slot held, queue this
+    /// process fleet-wide and leave again, two scripts for nothing.
+    asks: AtomicU32,
+    asked: Notify,
     /// When the last release script said no other process waits for the pool (None:
     /// some did, or no word yet), and when the release asking again since went out.
     /// See [`PoolState::keep_local`].
@@ -371,6 +378,8 @@ struct Inner {
     /// Fault injection for tests: how long an acquire's reply is held before its leases
     /// are made (as in a process paused right after the script ran).
     acquire_reply_delay: Mutex<Duration>,
+    /// Acquire scripts sent (every try, by a job or the driver). For tests.
+    acquire_scripts: AtomicU64,
     /// Fault injection for tests: how long the driver's stream check of a fresh
     /// connection stalls (as on a Redis that stopped answering after the connect).
     mark_check_delay: Mutex<Duration>,
@@ -383,6 +392,12 @@ struct PendingRelease {
     key: String,
     /// The lease's value: the script releases the slot only if it still holds it.
     value: String,
+    /// The release that asks again whether other processes wait, after a word that none
+    /// did ([`PoolState::keep_local`]): if still none does, the script keeps the slot for
+    /// this process (idle, for its next job) instead of freeing it for that job to take
+    /// back with an acquire script a moment later. Never set for an idle slot going
+    /// back (that would keep it forever).
+    ask: bool,
     done: oneshot::Sender<Result<bool, String>>,
 }
 
@@ -505,6 +520,8 @@ impl Slots {
                         queue_lock: tokio::sync::Mutex::new(()),
                         idle: Mutex::new(Vec::new()),
                         idle_flusher: AtomicBool::new(false),
+                        asks: AtomicU32::new(0),
+                        asked: Notify::new(),
                         quiet_since: Mutex::new((None, None)),
                         share: Mutex::new(None),
                         wait_seconds: std::sync::OnceLock::new(),
@@ -536,6 +553,7 @@ impl Slots {
                 next_nonce: AtomicU64::new(1),
                 release_delay: Mutex::new(Duration::ZERO),
                 acquire_reply_delay: Mutex::new(Duration::ZERO),
+                acquire_scripts: AtomicU64::new(0),
                 mark_check_delay: Mutex::new(Duration::ZERO),
             }),
         })
@@ -566,6 +584,12 @@ impl Slots {
     #[doc(hidden)]
     pub fn stall_mark_checks_for_tests(&self, d: Duration) {
         *lock(&self.inner.mark_check_delay) = d;
+    }
+
+    /// How many acquire scripts this process has sent. For tests.
+    #[doc(hidden)]
+    pub fn acquire_scripts_for_tests(&self) -> u64 {
+        self.inner.acquire_scripts.load(Ordering::Relaxed)
     }
 
     /// N of `pool` as recorded fleet-wide.
@@ -646,6 +670,30 @@ impl Slots {
         // A slot that went idle while we queued: to the first waiter, in order.
         if let Some(lease) = ps.take_idle(inner) {
             deliver(ps, lease);
+        }
+        if first && ps.asks.load(Ordering::SeqCst) > 0 {
+            // A release of this process that asks is on the wire: its answer usually
+            // keeps the slot, for us (`deliver`). Wait for it (bounded: a lost reply
+            // answers within the command timeout) rather than send a try beside it.
+            let answered = ps.asked.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            if ps.asks.load(Ordering::SeqCst) > 0 {
+                let bound = inner.cfg.redis.command_timeout_ms * 2;
+                tokio::select! {
+                    got = &mut rx => {
+                        return match got {
+                            Ok(lease) => {
+                                observe_wait(ps, started);
+                                Ok(lease)
+                            }
+                            Err(_) => Err(SlotError::Stopped),
+                        };
+                    }
+                    _ = answered => {}
+                    _ = tokio::time::sleep(bound) => {}
+                }
+            }
         }
         if first {
             let queue = ps.queue_lock.lock().await;
@@ -855,6 +903,7 @@ async fn try_take(
     enqueue: bool,
     want: usize,
 ) -> Result<Try, SlotError> {
+    inner.acquire_scripts.fetch_add(1, Ordering::Relaxed);
     let mut inv = crate::scripts::Call::new(&inner.acquire_script);
     inv.key(&ps.queue_key).key(&ps.lease_key).key(&ps.live_key);
     for k in &ps.slot_keys {
@@ -1050,37 +1099,50 @@ async fn release_lease(
     // consumed), so a shared value is never released twice. The cap on fairness: a
     // process that starts waiting gets the first slot this one releases more than
     // QUIET_FOR (plus a round trip) after it queued, not the very first.
+    let mut ask = false;
     if let Some(ps) = inner.pools.get(pool)
         && !lost.load(Ordering::SeqCst)
         && !inner.stopped.load(Ordering::SeqCst)
         && lock(&inner.held)
             .get(key)
             .is_some_and(|h| Arc::ptr_eq(&h.lost, lost) && h.surely_live(inner.ttl))
-        && (ps.keep_local() || (ps.has_waiters() && ps.within_share(held_in_pool(inner, pool))))
+        && (ps.keep_local() || {
+            // Not kept without asking: this release asks. If the last word was that no
+            // other process waits, it may keep the slot should that still hold.
+            ask = !ps.others_wait();
+            ps.has_waiters() && ps.within_share(held_in_pool(inner, pool))
+        })
     {
         if ps.has_waiters() {
             let lease = Lease::again(inner, pool, idx, key, value.to_string(), lost.clone());
             hand_to_waiter(inner, ps, lease);
             return Ok(());
         }
-        lock(&ps.idle).push(IdleSlot {
-            idx,
-            value: value.to_string(),
-            lost: lost.clone(),
-            since: Instant::now(),
-        });
-        if !ps.idle_flusher.swap(true, Ordering::SeqCst) {
-            tokio::spawn(flush_idle(inner.clone(), pool.to_string()));
-        }
-        // A job that began waiting while the slot went idle: it gets it now.
-        if ps.has_waiters()
-            && let Some(lease) = ps.take_idle(inner)
-        {
-            hand_to_waiter(inner, ps, lease);
-        }
+        push_idle(inner, ps, idx, value.to_string(), lost.clone());
         return Ok(());
     }
-    release_to_fleet(inner, pool, idx, key, value, lost).await
+    release_to_fleet(inner, pool, idx, key, value, lost, ask).await
+}
+
+/// A slot this process keeps though no job of it uses it: into the pool's idle slots
+/// (for [`IDLE_HOLD`] at most), its `held` entry untouched (same value, same lost flag,
+/// still renewed). Only under a word that no other process waits (the callers check).
+fn push_idle(inner: &Arc<Inner>, ps: &PoolState, idx: u32, value: String, lost: Arc<AtomicBool>) {
+    lock(&ps.idle).push(IdleSlot {
+        idx,
+        value,
+        lost,
+        since: Instant::now(),
+    });
+    if !ps.idle_flusher.swap(true, Ordering::SeqCst) {
+        tokio::spawn(flush_idle(inner.clone(), ps.name.clone()));
+    }
+    // A job that began waiting while the slot went idle: it gets it now.
+    if ps.has_waiters()
+        && let Some(lease) = ps.take_idle(inner)
+    {
+        hand_to_waiter(inner, ps, lease);
+    }
 }
 
 /// How many slots of `pool` this process holds (`held`: in use, idle, or being released
@@ -1111,7 +1173,7 @@ fn hand_to_waiter(inner: &Arc<Inner>, ps: &PoolState, lease: Lease) {
 /// An idle slot back to the fleet through the release script (token-checked).
 async fn release_idle(inner: Arc<Inner>, pool: String, s: IdleSlot) {
     let key = inner.pools[&pool].slot_keys[s.idx as usize].clone();
-    if let Err(e) = release_to_fleet(&inner, &pool, s.idx, &key, &s.value, &s.lost).await {
+    if let Err(e) = release_to_fleet(&inner, &pool, s.idx, &key, &s.value, &s.lost, false).await {
         tracing::warn!(error = %e, slot = %key, "idle slot release failed; the TTL frees it");
     }
 }
@@ -1173,6 +1235,7 @@ async fn release_to_fleet(
     key: &str,
     value: &str,
     lost: &Arc<AtomicBool>,
+    ask: bool,
 ) -> Result<(), SlotError> {
     {
         let mut held = lock(&inner.held);
@@ -1188,6 +1251,9 @@ async fn release_to_fleet(
         return Ok(());
     }
     let (tx, rx) = oneshot::channel();
+    if ask && let Some(ps) = inner.pools.get(pool) {
+        ps.asks.fetch_add(1, Ordering::SeqCst);
+    }
     let lead = {
         let mut q = lock(&inner.releases);
         q.0.push(PendingRelease {
@@ -1195,6 +1261,7 @@ async fn release_to_fleet(
             idx,
             key: key.to_string(),
             value: value.to_string(),
+            ask,
             done: tx,
         });
         !std::mem::replace(&mut q.1, true)
@@ -1227,6 +1294,12 @@ async fn run_releases(inner: Arc<Inner>) {
             let mut q = lock(&self.0.releases);
             q.1 = false;
             for p in q.0.drain(..) {
+                if p.ask
+                    && let Some(ps) = self.0.pools.get(&p.pool)
+                {
+                    ps.asks.fetch_sub(1, Ordering::SeqCst);
+                    ps.asked.notify_waiters();
+                }
                 let _ = p.done.send(Err("the releaser stopped".into()));
             }
         }
@@ -1245,7 +1318,29 @@ async fn run_releases(inner: Arc<Inner>) {
         if !delay.is_zero() {
             tokio::time::sleep(delay).await;
         }
+        // Once the batch is answered (its keeps delivered), or this task ends early: the
+        // jobs waiting for an asking release's answer go on (`PoolState::asks`).
+        struct Answered<'a>(&'a Inner, Vec<String>);
+        impl Drop for Answered<'_> {
+            fn drop(&mut self) {
+                for pool in &self.1 {
+                    if let Some(ps) = self.0.pools.get(pool) {
+                        ps.asks.fetch_sub(1, Ordering::SeqCst);
+                        ps.asked.notify_waiters();
+                    }
+                }
+            }
+        }
+        let answered = Answered(
+            &inner,
+            batch
+                .iter()
+                .filter(|p| p.ask)
+                .map(|p| p.pool.clone())
+                .collect(),
+        );
         let outcome = release_batch(&inner, &batch).await;
+        drop(answered);
         for (i, p) in batch.into_iter().enumerate() {
             let r = match &outcome {
                 Ok(status) => Ok(status.get(i).copied() == Some(0)),
@@ -1290,13 +1385,25 @@ async fn release_batch(
             .pools
             .get(pool)
             .ok_or_else(|| SlotError::UnknownPool(pool.clone()))?;
-        let (guard, want) = if ps.has_waiters() {
+        let (guard, waiters) = if ps.has_waiters() {
             let g = ps.queue_lock.lock().await;
             let w = ps.live_waiters();
             (Some(g), w)
         } else {
             (None, 0)
         };
+        // No job here waits for a slot, but a release of the group asks after a word
+        // that no other process waited (`PendingRelease::ask`): the script is asked to
+        // keep one slot as if a job waited, which it does only if still nobody else
+        // waits (or by fair share), else it hands the slot on as before. With one to
+        // keep, the script never queues this process, so the queue lock is not needed.
+        let want =
+            if waiters == 0 && !ps.others_wait() && order[start..end].iter().any(|&j| batch[j].ask)
+            {
+                1
+            } else {
+                waiters
+            };
         let keep_prefix = if want > 0 {
             format!("{}.", lease_value(inner))
         } else {
@@ -1314,7 +1421,7 @@ async fn release_batch(
             inv.key(&batch[j].key);
             inv.arg(batch[j].idx).arg(&batch[j].value);
         }
-        groups.push((ps, guard, want, keep_prefix, start, end));
+        groups.push((ps, guard, want, waiters, keep_prefix, start, end));
         start = end;
     }
     let asked_at = Instant::now();
@@ -1337,7 +1444,7 @@ async fn release_batch(
                 *lock(&ps.quiet_since) = (None, None);
                 *lock(&ps.share) = None;
             }
-            for (ps, _, want, keep_prefix, start, end) in &groups {
+            for (ps, _, want, _, keep_prefix, start, end) in &groups {
                 for &j in &order[*start..*end] {
                     let p = &batch[j];
                     orphans.push((ps.name.clone(), p.idx, p.value.clone()));
@@ -1371,18 +1478,28 @@ async fn release_batch(
             _ => None,
         };
     }
-    for (ps, guard, want, keep_prefix, start, end) in groups {
+    for (ps, guard, want, waiters, keep_prefix, start, end) in groups {
         // The j-th slot kept in a group holds `keep_prefix` .. j (lua/slot_release.lua).
         let mut kept = 0;
         for &j in &order[start..end] {
             if status[j] == 3 {
                 kept += 1;
                 let value = format!("{keep_prefix}{kept}");
-                deliver(ps, make_lease(inner, ps, batch[j].idx, value, asked_at));
+                let mut lease = make_lease(inner, ps, batch[j].idx, value, asked_at);
+                if ps.has_waiters() || ps.others_wait() || inner.stopped.load(Ordering::SeqCst) {
+                    deliver(ps, lease);
+                } else {
+                    // Kept for no job yet (an asking release's keep, or waiters that
+                    // left): idle for this process's next job, as a release under a
+                    // fresh word keeps it (`release_lease`), without a task between.
+                    lease.done = true; // not released on drop: it stays held, idle
+                    let value = std::mem::take(&mut lease.value);
+                    push_idle(inner, ps, lease.idx, value, lease.lost.clone());
+                }
             }
         }
         drop(guard);
-        if want > kept && !ps.has_waiters() {
+        if waiters > kept && !ps.has_waiters() {
             // The script queued us again for waiters that another path (a hand-off's
             // pick-up racing this release) has served since: leave the queue, or the next
             // release would hand its slot to a process that wants none.

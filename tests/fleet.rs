@@ -1396,6 +1396,74 @@ async fn a_hand_off_to_the_releaser_itself_is_nobody_else_waiting() -> anyhow::R
     finish(&[&a, &b], &cancel).await
 }
 
+/// A process alone whose jobs come more than `QUIET_FOR` (25 ms) apart: each of its
+/// releases asks Redis again whether another process waits. While none does, the script
+/// keeps the slot for this process, and its next job takes it without an acquire script,
+/// also when that job asks while the release is still on the wire (it waits for the
+/// answer instead of sending a try beside it, which found the slot held, queued the
+/// process fleet-wide and left again). Once another process waits, the asking release
+/// hands the slot to it, not to this process's next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_asking_release_keeps_the_slot_for_the_next_job_while_nobody_else_waits()
+-> anyhow::Result<()> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, 1, "").await;
+    let t = Duration::from_secs(5);
+    // A word first: the first release asks with none.
+    let lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    lease.release().await?;
+    assert!(a.heard_nobody_else_waits_for_tests("default"));
+    // Each release script waits 50 ms first: the next job asks while it is on the wire.
+    a.delay_releases_for_tests(Duration::from_millis(50));
+    let mut lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    let before = a.acquire_scripts_for_tests();
+    for round in 0..10 {
+        tokio::time::sleep(Duration::from_millis(40)).await; // the word is stale now
+        let releasing = tokio::spawn(lease.release());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let next = tokio::time::timeout(t, a.acquire("default", t)).await??;
+        releasing.await??;
+        let mut conn = redis.conn().await;
+        let v: Option<String> = conn.get("{llm}:slot:default:0").await?;
+        assert!(
+            v.as_deref().is_some_and(|v| v.starts_with(a.token())),
+            "round {round}: the slot is A's: {v:?}"
+        );
+        lease = next;
+    }
+    lease.release().await?;
+    let tries = a.acquire_scripts_for_tests() - before;
+    assert_eq!(
+        tries, 0,
+        "acquire scripts sent by jobs that got the slot their process kept"
+    );
+
+    // B waits: A's next asking release hands the slot to B, and A's next job waits.
+    let lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    let b2 = b.clone();
+    let b_wait = tokio::spawn(async move { b2.acquire("default", Duration::from_secs(5)).await });
+    assert!(
+        wait_queued(&redis.conn().await, b.token()).await,
+        "B queues for the slot"
+    );
+    tokio::time::sleep(Duration::from_millis(40)).await; // A's word is stale now
+    let releasing = tokio::spawn(lease.release());
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let a2 = a.clone();
+    let a_next = tokio::spawn(async move { a2.acquire("default", Duration::from_secs(5)).await });
+    let b_lease = tokio::time::timeout(t, b_wait).await???;
+    releasing.await??;
+    assert!(
+        !a_next.is_finished(),
+        "A's next job waits while B holds the slot"
+    );
+    b_lease.release().await?;
+    let a_lease = tokio::time::timeout(t, a_next).await???;
+    a_lease.release().await?;
+    finish(&[&a, &b], &cancel).await
+}
+
 /// The server's clock now, in ms (the scripts' time).
 async fn server_ms(conn: &mut Conn) -> u64 {
     let (secs, micros): (u64, u64) = redis::cmd("TIME")
