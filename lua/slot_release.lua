@@ -10,7 +10,9 @@
 -- ARGV[4] hand-off lease ms   ARGV[5] stall gap ms   ARGV[6] waiter liveness ttl ms
 -- ARGV[7] how many entries a hand-off stream keeps (approximately, MAXLEN ~)
 -- ARGV[8..] for each group: count c, w = how many local waiters of this process want a
---         slot of the pool, prefix of the values of slots kept for them, m = how many
+--         slot of the pool (-1: none, but keep one for the process's next job if nobody
+--         else waits or it heads the queue: never by fair share, and tell no share; see
+--         Ask below), prefix of the values of slots kept for them, m = how many
 --         other slots of the pool this process holds ('' = not known: see Count words),
 --         n = the pool's N, then c pairs:
 --         slot index, the value of the lease released (release-all: any value of this
@@ -40,6 +42,10 @@
 -- among their own jobs, instead of handing every slot round the fleet (a release
 -- script, a hand-off stream entry, an XREAD of every waiting process and a pick-up
 -- script per job); one above its share hands its slots on, FIFO, until it is at it.
+-- Ask: a process whose last word was that nobody else waits asks again, with w = -1,
+-- after QUIET_FOR (src/slots.rs): if that still holds (or it heads the queue), its slot
+-- is kept as for one local waiter, for its next job, instead of being freed for that job
+-- to take back with an acquire script a moment later.
 -- Count words: each release script this process runs ends each group by writing field
 -- `n|<token>` of the lease hash, "<how many leases of the pool it holds now>|<server ms>"
 -- (m + the slots kept); a release that does not know m (m = '': the lone releases of
@@ -135,11 +141,15 @@ local a, k = 8, 1
 while a <= #ARGV do
   local c = tonumber(ARGV[a])
   local want = tonumber(ARGV[a + 1]) or 0
+  local asking = want < 0
+  if asking then
+    want = 1
+  end
   local keep_prefix = ARGV[a + 2]
   local held_other = tonumber(ARGV[a + 3]) -- nil: not known (see Count words)
   local n = tonumber(ARGV[a + 4]) or 0
   local kept = 0
-  local wanted = want
+  local wanted = asking and 0 or want
   a = a + 5
   local q, lh, live, wake = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   k = k + 4
@@ -204,13 +214,14 @@ while a <= #ARGV do
         -- holder; handing on only to narrow a gap of two or more keeps uneven holdings
         -- (3 and 2, say) from bouncing a slot between two processes at every release.
         local fair = false
-        if want > 0 and #h > 0 and h[1] ~= token then
+        if want > 0 and not asking and #h > 0 and h[1] ~= token then
           local mine_after = (held_other or 0) + kept + 1
           local theirs = held_by(h[1])
           fair = mine_after <= math.floor(n / (rivals_now() + 1))
             and theirs > 0 and theirs >= mine_after - 1
         end
-        if want > 0 and (#h == 0 or h[1] == token or fair) then
+        local nobody = #h == 0 and not (asking and rivals_now() > 0)
+        if want > 0 and (nobody or h[1] == token or fair) then
           kept = kept + 1
           want = want - 1
           local value = keep_prefix .. kept

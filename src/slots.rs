@@ -107,6 +107,10 @@ const QUIET_FOR: Duration = Duration::from_millis(25);
 /// (with 8 processes at N=64, 500 ms saved 0.13 release scripts a job but cost 0.2
 /// commit calls more: docs/performance.md, twenty-second round).
 const SHARE_FOR: Duration = Duration::from_millis(100);
+/// How long a job asking for a slot waits for the answer of this process's release that
+/// asks (`PoolState::asks`) before it sends a try of its own: a round trip is about a
+/// millisecond, so this is only reached when Redis is slow.
+const ASK_WAIT_MAX: Duration = Duration::from_millis(100);
 
 /// The lease clock's timings, derived from the lease TTL (see `lua/slot_clock.lua`).
 /// Every worker ticks every `ttl / 8` (its renewer), so a lease has at least about
@@ -679,7 +683,9 @@ impl Slots {
             tokio::pin!(answered);
             answered.as_mut().enable();
             if ps.asks.load(Ordering::SeqCst) > 0 {
-                let bound = inner.cfg.redis.command_timeout_ms * 2;
+                // Not long, and never past the caller's timeout: a slow answer must not
+                // keep a job from a slot that is free meanwhile.
+                let bound = ASK_WAIT_MAX.min(timeout.saturating_sub(started.elapsed()));
                 tokio::select! {
                     got = &mut rx => {
                         return match got {
@@ -1314,10 +1320,6 @@ async fn run_releases(inner: Arc<Inner>) {
             }
             std::mem::take(&mut q.0)
         };
-        let delay = *lock(&inner.release_delay);
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
         // Once the batch is answered (its keeps delivered), or this task ends early: the
         // jobs waiting for an asking release's answer go on (`PoolState::asks`).
         struct Answered<'a>(&'a Inner, Vec<String>);
@@ -1339,6 +1341,10 @@ async fn run_releases(inner: Arc<Inner>) {
                 .map(|p| p.pool.clone())
                 .collect(),
         );
+        let delay = *lock(&inner.release_delay);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let outcome = release_batch(&inner, &batch).await;
         drop(answered);
         for (i, p) in batch.into_iter().enumerate() {
@@ -1393,17 +1399,18 @@ async fn release_batch(
             (None, 0)
         };
         // No job here waits for a slot, but a release of the group asks after a word
-        // that no other process waited (`PendingRelease::ask`): the script is asked to
-        // keep one slot as if a job waited, which it does only if still nobody else
-        // waits (or by fair share), else it hands the slot on as before. With one to
-        // keep, the script never queues this process, so the queue lock is not needed.
-        let want =
-            if waiters == 0 && !ps.others_wait() && order[start..end].iter().any(|&j| batch[j].ask)
-            {
-                1
-            } else {
-                waiters
-            };
+        // that no other process waited (`PendingRelease::ask`): the script is asked
+        // (want -1) to keep one slot for this process's next job, which it does only if
+        // still nobody else waits or this process heads the queue, never by fair share,
+        // and tells no share; else it hands the slot on or frees it as before. With one
+        // to keep the script never queues this process (it may take it out of the queue
+        // on a keep, as any keep does; a waiter that came meanwhile is then retried
+        // below), so the queue lock is not taken.
+        let ask = waiters == 0
+            && !ps.others_wait()
+            && !inner.stopped.load(Ordering::SeqCst)
+            && order[start..end].iter().any(|&j| batch[j].ask);
+        let want = if ask { 1 } else { waiters };
         let keep_prefix = if want > 0 {
             format!("{}.", lease_value(inner))
         } else {
@@ -1413,7 +1420,7 @@ async fn release_batch(
         let mine = held_in_pool(inner, &ps.name);
         release_group_keys(&mut inv, ps);
         inv.arg(end - start)
-            .arg(want)
+            .arg(if ask { -1 } else { want as i64 })
             .arg(&keep_prefix)
             .arg(mine)
             .arg(ps.size);

@@ -1396,6 +1396,27 @@ async fn a_hand_off_to_the_releaser_itself_is_nobody_else_waiting() -> anyhow::R
     finish(&[&a, &b], &cancel).await
 }
 
+/// Redis, the simulator and two processes A and B on a pool of `slots`, A having heard
+/// from its first release that no other process waits (its quiet word).
+async fn a_with_a_quiet_word(
+    slots: u32,
+) -> anyhow::Result<(
+    RedisServer,
+    SimHandle,
+    llm_worker::slots::Slots,
+    llm_worker::slots::Slots,
+    CancellationToken,
+)> {
+    let redis = RedisServer::start();
+    let sim = SimHandle::start(SimOptions::default()).await;
+    let (a, b, cancel) = pa_pb(&redis, &sim, slots, "").await;
+    let t = Duration::from_secs(5);
+    let lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    lease.release().await?; // the first release asks with no word
+    assert!(a.heard_nobody_else_waits_for_tests("default"));
+    Ok((redis, sim, a, b, cancel))
+}
+
 /// A process alone whose jobs come more than `QUIET_FOR` (25 ms) apart: each of its
 /// releases asks Redis again whether another process waits. While none does, the script
 /// keeps the slot for this process, and its next job takes it without an acquire script,
@@ -1406,14 +1427,8 @@ async fn a_hand_off_to_the_releaser_itself_is_nobody_else_waiting() -> anyhow::R
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_asking_release_keeps_the_slot_for_the_next_job_while_nobody_else_waits()
 -> anyhow::Result<()> {
-    let redis = RedisServer::start();
-    let sim = SimHandle::start(SimOptions::default()).await;
-    let (a, b, cancel) = pa_pb(&redis, &sim, 1, "").await;
+    let (redis, _sim, a, b, cancel) = a_with_a_quiet_word(1).await?;
     let t = Duration::from_secs(5);
-    // A word first: the first release asks with none.
-    let lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
-    lease.release().await?;
-    assert!(a.heard_nobody_else_waits_for_tests("default"));
     // Each release script waits 50 ms first: the next job asks while it is on the wire.
     a.delay_releases_for_tests(Duration::from_millis(50));
     let mut lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
@@ -1461,6 +1476,108 @@ async fn an_asking_release_keeps_the_slot_for_the_next_job_while_nobody_else_wai
     b_lease.release().await?;
     let a_lease = tokio::time::timeout(t, a_next).await???;
     a_lease.release().await?;
+    finish(&[&a, &b], &cancel).await
+}
+
+/// The asking release's keep with no job of the process waiting yet (the common case: the
+/// next job asks a moment after the answer): the script keeps the slot under a fresh value
+/// of this process's, the process holds it idle, its next job takes it without an acquire
+/// script, and an idle slot no job takes goes back to the fleet after `IDLE_HOLD`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_asking_release_with_no_job_waiting_keeps_the_slot_idle() -> anyhow::Result<()> {
+    let (redis, _sim, a, b, cancel) = a_with_a_quiet_word(1).await?;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    let before = a.acquire_scripts_for_tests();
+    tokio::time::sleep(Duration::from_millis(40)).await; // the word is stale: this release asks
+    lease.release().await?;
+    let v: Option<String> = conn.get("{llm}:slot:default:0").await?;
+    assert!(
+        v.as_deref()
+            .is_some_and(|v| v.starts_with(&format!("{}#", a.token())) && v.ends_with(".1")),
+        "kept by the script under a fresh value of A's: {v:?}"
+    );
+    assert_eq!(a.held(), 1, "A holds the kept slot, idle");
+    let next = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    assert_eq!(
+        a.acquire_scripts_for_tests(),
+        before,
+        "the next job took the kept slot without an acquire script"
+    );
+    // Released under the fresh word: idle, then back to the fleet after IDLE_HOLD.
+    next.release().await?;
+    let freed = wait_for(Duration::from_secs(2), || {
+        let mut c = conn.clone();
+        async move {
+            let v: Option<String> = c.get("{llm}:slot:default:0").await.unwrap_or(None);
+            v.is_none()
+        }
+    })
+    .await;
+    assert!(freed, "an idle slot no job takes goes back to the fleet");
+    assert_eq!(a.held(), 0);
+    finish(&[&a, &b], &cancel).await
+}
+
+/// An asking release never keeps a slot by fair share: with N=2, B holding one and
+/// queued for another (its share would let A keep one), A's asking release hands its
+/// slot to B in that one script, rather than keeping it for no job and sending a second
+/// script to hand it on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_asking_release_hands_the_slot_on_when_another_process_waits() -> anyhow::Result<()> {
+    let (redis, _sim, a, b, cancel) = a_with_a_quiet_word(2).await?;
+    let mut conn = redis.conn().await;
+    let t = Duration::from_secs(5);
+    let la = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    let lb = tokio::time::timeout(t, b.acquire("default", t)).await??;
+    let b2 = b.clone();
+    let b_wait = tokio::spawn(async move { b2.acquire("default", Duration::from_secs(5)).await });
+    assert!(
+        wait_queued(&conn, b.token()).await,
+        "B queues for a second slot"
+    );
+    tokio::time::sleep(Duration::from_millis(40)).await; // A's word is stale: it asks
+    // A follow-up release (the old keep by share, then a second script) would wait 300 ms
+    // before it runs: the slot would hold A's kept value meanwhile.
+    a.delay_releases_for_tests(Duration::from_millis(300));
+    let idx = la.index();
+    la.release().await?;
+    let v: Option<String> = conn.get(format!("{{llm}}:slot:default:{idx}")).await?;
+    assert!(
+        v.as_deref().is_some_and(|v| v.starts_with(b.token())),
+        "A's asking release handed the slot to B: {v:?}"
+    );
+    let got = tokio::time::timeout(t, b_wait).await???;
+    assert_eq!(got.index(), idx);
+    got.release().await?;
+    lb.release().await?;
+    finish(&[&a, &b], &cancel).await
+}
+
+/// A job asking for a slot while its process's asking release is slow to answer waits
+/// for that answer only briefly: a slot that is free meanwhile is taken at once, not
+/// after the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_does_not_wait_long_for_a_slow_asking_release() -> anyhow::Result<()> {
+    let (_redis, _sim, a, b, cancel) = a_with_a_quiet_word(2).await?;
+    let t = Duration::from_secs(5);
+    let la = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    a.delay_releases_for_tests(Duration::from_secs(3));
+    let releasing = tokio::spawn(la.release());
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let asked = Instant::now();
+    let other = tokio::time::timeout(t, a.acquire("default", Duration::from_secs(2))).await??;
+    let took = asked.elapsed();
+    // (ASK_WAIT_MAX is 100 ms; the first bound, twice the command timeout, was seconds.)
+    assert!(
+        took < Duration::from_millis(400),
+        "the free slot was taken after {took:?}, waiting for the slow release"
+    );
+    a.delay_releases_for_tests(Duration::ZERO);
+    other.release().await?;
+    tokio::time::timeout(t, releasing).await???;
     finish(&[&a, &b], &cancel).await
 }
 
