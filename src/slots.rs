@@ -239,6 +239,13 @@ struct PoolState {
     /// process fleet-wide and leave again, two scripts for nothing.
     asks: AtomicU32,
     asked: Notify,
+    /// Tries that may queue this process fleet-wide (acquire scripts with `enqueue`):
+    /// how many were sent, and how many are on the wire. An asking release runs without
+    /// the queue lock, so a try sent beside it may queue the process while the release
+    /// keeps a slot for the very job that tried; these tell the release to leave the
+    /// queue again then (`release_batch`).
+    queue_tries: AtomicU64,
+    queue_tries_out: AtomicU32,
     /// When the last release script said no other process waits for the pool (None:
     /// some did, or no word yet), and when the release asking again since went out.
     /// See [`PoolState::keep_local`].
@@ -526,6 +533,8 @@ impl Slots {
                         idle_flusher: AtomicBool::new(false),
                         asks: AtomicU32::new(0),
                         asked: Notify::new(),
+                        queue_tries: AtomicU64::new(0),
+                        queue_tries_out: AtomicU32::new(0),
                         quiet_since: Mutex::new((None, None)),
                         share: Mutex::new(None),
                         wait_seconds: std::sync::OnceLock::new(),
@@ -910,6 +919,18 @@ async fn try_take(
     want: usize,
 ) -> Result<Try, SlotError> {
     inner.acquire_scripts.fetch_add(1, Ordering::Relaxed);
+    // Counted as on the wire until this returns, whatever the outcome.
+    struct Out<'a>(&'a PoolState);
+    impl Drop for Out<'_> {
+        fn drop(&mut self) {
+            self.0.queue_tries_out.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let _out = enqueue.then(|| {
+        ps.queue_tries.fetch_add(1, Ordering::SeqCst);
+        ps.queue_tries_out.fetch_add(1, Ordering::SeqCst);
+        Out(ps)
+    });
     let mut inv = crate::scripts::Call::new(&inner.acquire_script);
     inv.key(&ps.queue_key).key(&ps.lease_key).key(&ps.live_key);
     for k in &ps.slot_keys {
@@ -1411,6 +1432,13 @@ async fn release_batch(
             && !inner.stopped.load(Ordering::SeqCst)
             && order[start..end].iter().any(|&j| batch[j].ask);
         let want = if ask { 1 } else { waiters };
+        // For an asking group: the queueing tries so far, and whether one is on the wire.
+        let tries_seen = ask.then(|| {
+            (
+                ps.queue_tries.load(Ordering::SeqCst),
+                ps.queue_tries_out.load(Ordering::SeqCst) > 0,
+            )
+        });
         let keep_prefix = if want > 0 {
             format!("{}.", lease_value(inner))
         } else {
@@ -1428,7 +1456,16 @@ async fn release_batch(
             inv.key(&batch[j].key);
             inv.arg(batch[j].idx).arg(&batch[j].value);
         }
-        groups.push((ps, guard, want, waiters, keep_prefix, start, end));
+        groups.push((
+            ps,
+            guard,
+            want,
+            waiters,
+            tries_seen,
+            keep_prefix,
+            start,
+            end,
+        ));
         start = end;
     }
     let asked_at = Instant::now();
@@ -1451,7 +1488,7 @@ async fn release_batch(
                 *lock(&ps.quiet_since) = (None, None);
                 *lock(&ps.share) = None;
             }
-            for (ps, _, want, _, keep_prefix, start, end) in &groups {
+            for (ps, _, want, _, _, keep_prefix, start, end) in &groups {
                 for &j in &order[*start..*end] {
                     let p = &batch[j];
                     orphans.push((ps.name.clone(), p.idx, p.value.clone()));
@@ -1485,7 +1522,13 @@ async fn release_batch(
             _ => None,
         };
     }
-    for (ps, guard, want, waiters, keep_prefix, start, end) in groups {
+    for (ps, guard, want, waiters, tries_seen, keep_prefix, start, end) in groups {
+        // An asking group's script ran without the queue lock: a try of this process
+        // that was on the wire with it, or sent since, may have queued the process after
+        // the script kept a slot for it; then the process leaves the queue once no job
+        // here waits (a queued process nobody here waits for would be handed slots).
+        let raced =
+            tries_seen.is_some_and(|(n, out)| out || ps.queue_tries.load(Ordering::SeqCst) != n);
         // The j-th slot kept in a group holds `keep_prefix` .. j (lua/slot_release.lua).
         let mut kept = 0;
         for &j in &order[start..end] {
@@ -1506,10 +1549,11 @@ async fn release_batch(
             }
         }
         drop(guard);
-        if waiters > kept && !ps.has_waiters() {
+        if (raced || waiters > kept) && !ps.has_waiters() {
             // The script queued us again for waiters that another path (a hand-off's
-            // pick-up racing this release) has served since: leave the queue, or the next
-            // release would hand its slot to a process that wants none.
+            // pick-up racing this release) has served since, or (`raced`) a try beside an
+            // asking release did: leave the queue, or the next release would hand its
+            // slot to a process that wants none.
             let (inner, name) = (inner.clone(), ps.name.clone());
             tokio::spawn(async move {
                 if let Some(ps) = inner.pools.get(&name) {

@@ -1581,6 +1581,51 @@ async fn a_job_does_not_wait_long_for_a_slow_asking_release() -> anyhow::Result<
     finish(&[&a, &b], &cancel).await
 }
 
+/// A try sent beside an asking release (the job waited past its bound for the answer, or
+/// sent it before the release went out) may queue the process after the release kept the
+/// slot for that very job: once the job has the slot and no other waits, the process
+/// leaves the fleet queue again (else a release elsewhere would hand it slots it does
+/// not want, and the queue's head would block other processes' tries). Redis is stopped
+/// so that both scripts run in the order sent when it resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_beside_an_asking_release_does_not_leave_the_process_queued() -> anyhow::Result<()> {
+    let (redis, _sim, a, b, cancel) = a_with_a_quiet_word(1).await?;
+    let t = Duration::from_secs(5);
+    let lease = tokio::time::timeout(t, a.acquire("default", t)).await??;
+    tokio::time::sleep(Duration::from_millis(40)).await; // the word is stale: it asks
+    let pid = redis.pid().expect("redis pid");
+    signal(pid, libc_sig::STOP);
+    let releasing = tokio::spawn(lease.release());
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let a2 = a.clone();
+    let job = tokio::spawn(async move { a2.acquire("default", Duration::from_secs(5)).await });
+    // Past the job's 100 ms wait for the answer: its own try is on the wire too.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    signal(pid, libc_sig::CONT);
+    let got = tokio::time::timeout(t, job).await???;
+    tokio::time::timeout(t, releasing).await???;
+    let left = wait_for(Duration::from_millis(1500), || {
+        let c = redis.conn();
+        let token = a.token().to_string();
+        async move {
+            let mut c = c.await;
+            let s: Option<f64> = c
+                .zscore("{llm}:slotq:default", &token)
+                .await
+                .unwrap_or(None);
+            s.is_none()
+        }
+    })
+    .await;
+    assert!(
+        left,
+        "A left the fleet queue once its job had the slot ({} acquire scripts)",
+        a.acquire_scripts_for_tests()
+    );
+    got.release().await?;
+    finish(&[&a, &b], &cancel).await
+}
+
 /// The server's clock now, in ms (the scripts' time).
 async fn server_ms(conn: &mut Conn) -> u64 {
     let (secs, micros): (u64, u64) = redis::cmd("TIME")
