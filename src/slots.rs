@@ -269,6 +269,13 @@ struct IdleSlot {
 }
 
 impl PoolState {
+    /// One asking release of the pool is answered (or will never be): the jobs waiting
+    /// for it go on (`asks`).
+    fn ask_answered(&self) {
+        self.asks.fetch_sub(1, Ordering::SeqCst);
+        self.asked.notify_waiters();
+    }
+
     /// True if a slot released now may stay idle in this process: the last word of the
     /// release script was that no other process waits, less than [`QUIET_FOR`] ago, or
     /// the release asking again is on its way (for at most a second). False makes the
@@ -686,8 +693,8 @@ impl Slots {
         }
         if first && ps.asks.load(Ordering::SeqCst) > 0 {
             // A release of this process that asks is on the wire: its answer usually
-            // keeps the slot, for us (`deliver`). Wait for it (bounded: a lost reply
-            // answers within the command timeout) rather than send a try beside it.
+            // keeps the slot, for us (`deliver`). Wait for it (bounded, below) rather
+            // than send a try beside it.
             let answered = ps.asked.notified();
             tokio::pin!(answered);
             answered.as_mut().enable();
@@ -1324,8 +1331,7 @@ async fn run_releases(inner: Arc<Inner>) {
                 if p.ask
                     && let Some(ps) = self.0.pools.get(&p.pool)
                 {
-                    ps.asks.fetch_sub(1, Ordering::SeqCst);
-                    ps.asked.notify_waiters();
+                    ps.ask_answered();
                 }
                 let _ = p.done.send(Err("the releaser stopped".into()));
             }
@@ -1348,8 +1354,7 @@ async fn run_releases(inner: Arc<Inner>) {
             fn drop(&mut self) {
                 for pool in &self.1 {
                     if let Some(ps) = self.0.pools.get(pool) {
-                        ps.asks.fetch_sub(1, Ordering::SeqCst);
-                        ps.asked.notify_waiters();
+                        ps.ask_answered();
                     }
                 }
             }
